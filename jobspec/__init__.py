@@ -1,0 +1,1 @@
+"""The contract: run configs (cfg.toml) and job specs as pydantic models."""

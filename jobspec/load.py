@@ -1,0 +1,122 @@
+"""The only code that parses run-config TOML: load, validate with field paths, serialise."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from pydantic import BaseModel, ValidationError
+
+from jobspec.errors import ConfigError
+from jobspec.run_config import RunConfig
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that owns the last key of `loc`, to list its allowed keys."""
+    cur: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = cur.model_fields.get(part) if isinstance(cur, type) else None
+        if field is None:
+            return None
+        ann = field.annotation
+        args = getattr(ann, "__args__", ()) or ()
+        nxt = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if nxt is None:
+            return None
+        cur = nxt
+    return cur if isinstance(cur, type) and issubclass(cur, BaseModel) else None
+
+
+def describe_validation_error(err: ValidationError, model: type[BaseModel], source: str) -> str:
+    """One sentence for the first problem, naming the field path and how to fix it."""
+    # An unknown key usually explains a "missing" one beside it (a typo), so report it first.
+    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
+    loc = tuple(first["loc"])
+    path = _loc(loc) or "(top level)"
+    if first["type"] == "extra_forbidden":
+        owner = _model_at(model, loc)
+        allowed = sorted(f.alias or n for n, f in owner.model_fields.items()) if owner else []
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        return f"{source}: {path}: unknown key{hint} (allowed here: {', '.join(allowed)})"
+    if first["type"] == "missing":
+        return f"{source}: {path}: required key is missing"
+    msg = first["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    got = first.get("input")
+    shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+    more = len(errors) - 1
+    tail = f" [and {more} more problem{'s' if more > 1 else ''}]" if more else ""
+    return f"{source}: {path}: {msg}{shown}{tail}"
+
+
+def parse_run_config(data: dict, source: str = "run config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(describe_validation_error(e, RunConfig, source)) from None
+
+
+def read_toml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such config file")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: TOML syntax error: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a UTF-8 text file") from None
+
+
+def load_run_config(path: str | Path, overrides: dict | None = None) -> tuple[RunConfig, str]:
+    """(validated config, source TOML text). `overrides` is a nested dict merged over the file."""
+    data = read_toml(path)
+    if overrides:
+        data = merge(data, overrides)
+    return parse_run_config(data, str(path)), Path(path).read_text()
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def resolved_dict(cfg: RunConfig) -> dict:
+    """JSON-ready dict with every default filled in, keyed by the documented names."""
+    return json.loads(cfg.model_dump_json(by_alias=True))
+
+
+def to_toml(cfg: RunConfig) -> str:
+    def drop_none(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: drop_none(v) for k, v in x.items() if v is not None}
+        if isinstance(x, list):
+            return [drop_none(v) for v in x]
+        return x
+
+    return tomli_w.dumps(drop_none(resolved_dict(cfg)))
+
+
+def run_config_schema() -> dict:
+    return RunConfig.model_json_schema(by_alias=True)

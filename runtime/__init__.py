@@ -1,0 +1,1 @@
+"""What runs on every host: boot, data, model, train, checkpoint, artifacts."""

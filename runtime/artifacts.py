@@ -1,0 +1,210 @@
+"""What a run writes besides checkpoints: manifest, config copies, diagnostics, metrics, events,
+summaries. Records are built here and handed to the ArtifactStore, the only writer of files.
+
+Host-global files are written by the writer host only; the others build nothing to write.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import platform
+import traceback
+from typing import Any
+
+import jax
+import numpy as np
+
+from jobspec.accelerators import peak_bf16_flops
+from jobspec.load import resolved_dict
+from jobspec.run_config import RunConfig
+from runtime.flops import flops_per_token, parameter_counts
+from runtime.metrics import Throughput, live_line
+from runtime.store import ArtifactStore
+
+TRAIN_METRICS = "metrics/train.jsonl"
+EVAL_METRICS = "metrics/eval.jsonl"
+EVENTS = "events.jsonl"
+LAYOUT = {
+    "manifest": "manifest.json",
+    "config": ["config/source.toml", "config/resolved.json"],
+    "diagnostics": "diagnostics/runtime.json",
+    "metrics": [TRAIN_METRICS, EVAL_METRICS],
+    "events": EVENTS,
+    "summary": "summaries/final.json",
+    "checkpoints": "checkpoints/index.json",
+}
+PACKAGES = ("jaxjob", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "fsspec", "gcsfs")
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def device_peak(devices: list) -> tuple[str | None, float | None]:
+    """Per-chip peak for the job's device kind, or (None, None): no MFU rather than a guess."""
+    kinds = {d.device_kind for d in devices}
+    if len(kinds) != 1 or devices[0].platform == "cpu":
+        return None, None
+    found = peak_bf16_flops(kinds.pop())
+    return (found[0], found[1]) if found else (None, None)
+
+
+def runtime_diagnostics(cfg: RunConfig, mesh, manifest, batches) -> dict[str, Any]:
+    devices = jax.devices()
+    name, peak = device_peak(devices)
+    return {
+        "jax_version": jax.__version__,
+        "backend": jax.default_backend(),
+        "boot": {"mode": "single-process"},
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "local_devices": [str(d) for d in jax.local_devices()],
+        "global_device_count": len(devices),
+        "device_kind": devices[0].device_kind,
+        "accelerator": name,
+        "peak_bf16_flops_per_chip": peak,
+        "mesh": {k: int(v) for k, v in mesh.shape.items()},
+        "model": {
+            "parameters": parameter_counts(cfg.model),
+            "flops_per_token": flops_per_token(cfg.model, cfg.training.seq_len),
+        },
+        "data": {
+            "manifest": cfg.data.manifest,
+            "fingerprint": manifest.fingerprint,
+            "tokenizer": manifest.tokenizer.id,
+            "order": cfg.data.order,
+            "pipeline": batches.describe() if hasattr(batches, "describe") else type(batches).__name__,
+        },
+        "python": platform.python_version(),
+        "packages": package_versions(),
+    }
+
+
+def _scalar(x: Any) -> float:
+    return float(np.asarray(x))
+
+
+class RunArtifacts:
+    """Builds the run's records; writes them through the store on the writer host only."""
+
+    def __init__(self, store: ArtifactStore, cfg: RunConfig, source_toml: str):
+        self.store, self.cfg, self.source_toml = store, cfg, source_toml
+        fpt = flops_per_token(cfg.model, cfg.training.seq_len)
+        self.flops_per_token = float(fpt["total"])
+        self.accelerator, chip_peak = device_peak(jax.devices())
+        self.job_peak_flops = chip_peak * len(jax.devices()) if chip_peak else None
+        self._manifest: dict[str, Any] = {}
+        self._flushes = 0
+
+    @property
+    def writer(self) -> bool:
+        return self.store.is_writer
+
+    def event(self, kind: str, **fields: Any) -> None:
+        if self.writer:
+            self.store.append_jsonl(EVENTS, [{"time": now(), "event": kind, **fields}])
+
+    def _write_manifest(self, **update: Any) -> None:
+        self._manifest.update(update, updated=now())
+        self.store.write_json("manifest.json", self._manifest)
+
+    def start(self, *, resume: bool, start_step: int, total_steps: int, diagnostics: dict) -> None:
+        if not self.writer:
+            return
+        # Rows past the starting step are recomputed by this attempt (all of them for a fresh
+        # start over a failed attempt that left no checkpoint); drop the stale copies.
+        for rel in (TRAIN_METRICS, EVAL_METRICS):
+            if self.store.exists(rel):
+                self.store.truncate_jsonl_after(rel, "step", start_step)
+        if resume and self.store.exists("manifest.json"):
+            self._manifest = self.store.read_json("manifest.json")
+        self.store.write_text("config/source.toml", self.source_toml)
+        self.store.write_json("config/resolved.json", resolved_dict(self.cfg))
+        self.store.write_json("diagnostics/runtime.json", diagnostics)
+        self._manifest.setdefault("created", now())
+        self._write_manifest(
+            run_id=self.cfg.run.id,
+            status="running",
+            output_uri=self.store.uri(""),
+            total_steps=total_steps,
+            tokens_per_step=self.cfg.training.tokens_per_step,
+            layout=LAYOUT,
+            jaxjob_version=package_versions()["jaxjob"],
+        )
+        self.event("resume" if resume else "start", step=start_step, total_steps=total_steps)
+
+    def flush_train_rows(self, pending: list, meter: Throughput, emit) -> dict | None:
+        """Fetch the metrics of the steps since the last sync (one device_get: the sync point),
+        then time the interval, write the rows and print the live line for the last one.
+        Timing fields go on the last row of the interval."""
+        if not pending:
+            return None
+        fetched = jax.device_get([m for _, m, _ in pending])
+        timing = meter.interval(pending[-1][0])
+        rows = []
+        tps = self.cfg.training.tokens_per_step
+        mode = self.cfg.artifacts.provenance
+        for (step, _, prov), m in zip(pending, fetched, strict=True):
+            row = {"step": step, "tokens": step * tps}
+            row.update({k: _scalar(v) for k, v in m.items()})
+            row["batch_hash"] = prov["batch_hash"]
+            if mode == "ids":
+                row["record_ids"] = prov["record_ids"]
+            rows.append(row)
+        if timing:
+            rows[-1].update(timing)
+        if self.writer:
+            self.store.append_jsonl(TRAIN_METRICS, rows)
+        emit(live_line(rows[-1]))
+        return rows[-1]
+
+    def eval_row(self, row: dict) -> None:
+        if self.writer:
+            self.store.append_jsonl(EVAL_METRICS, [row])
+
+    def finish(self, status: str, step: int, last_row: dict | None, index: dict, wall_s: float, **extra) -> dict:
+        summary = {
+            "run_id": self.cfg.run.id,
+            "status": status,
+            "steps": step,
+            "tokens": step * self.cfg.training.tokens_per_step,
+            "final_loss": last_row["loss"] if last_row else None,
+            "wall_time_s": wall_s,
+            "checkpoints": {"latest": index.get("latest"), "best": index.get("best")},
+            **extra,
+        }
+        if self.writer:
+            evals = self.store.read_jsonl(EVAL_METRICS) if self.store.exists(EVAL_METRICS) else []
+            if evals:
+                best = min(evals, key=lambda r: r["loss"])
+                summary["best_eval"] = {"step": best["step"], "name": best["name"], "loss": best["loss"]}
+            rows = self.store.read_jsonl(TRAIN_METRICS) if self.store.exists(TRAIN_METRICS) else []
+            timed = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+            if timed:
+                summary["tokens_per_s_median"] = float(np.median(timed))
+            self.event("interrupted" if status == "interrupted" else "finish", step=step, **extra)
+            self.store.write_json("summaries/final.json", summary)
+            self._write_manifest(status=status, steps=step, tokens=summary["tokens"])
+        return summary
+
+    def fail(self, step: int, err: BaseException) -> None:
+        if not self.writer:
+            return
+        try:
+            msg = str(err) or type(err).__name__
+            self.event("failure", step=step, error=msg, type=type(err).__name__,
+                       traceback=traceback.format_exception(err)[-3:])
+            self._write_manifest(status="failed", steps=step)
+        except Exception:  # the original error matters more than a failed report of it
+            pass

@@ -1,0 +1,357 @@
+"""The checkpoint service: Orbax saves under `<run>/checkpoints`, and the index that says which exist.
+
+`checkpoints/index.json` is the source of truth for resume, eval and sample. A step enters it
+only once Orbax has committed it (locally the final `<step>/` directory exists; on gs:// the
+step holds `commit_success.txt`), so a crash mid-save never becomes `latest`. Every host calls
+save/restore (Orbax needs all of them); only the writer writes the index, through the store.
+
+Retention is ours, not Orbax's: Orbax deletes old steps in its background thread even when the
+new step failed to commit, and its choice would have to be mirrored into the index. We delete
+through the manager at points every host reaches together (`save`, `wait`, `discard_after`),
+because `CheckpointManager.delete` is a cross-host barrier.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jobspec.errors import CheckpointError, StorageError
+from runtime.storage import configure_gcs_env
+from runtime.store import ArtifactStore
+
+log = logging.getLogger(__name__)
+
+CKPT_DIR = "checkpoints"
+INDEX = f"{CKPT_DIR}/index.json"
+COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker for object stores
+# `entry` repeats the step's index entry inside the checkpoint, so a step that committed just
+# before a crash (index not yet rewritten) can be re-indexed from disk.
+ITEMS = ("params", "opt_state", "meta", "entry")
+
+
+@dataclass
+class _Pending:
+    step: int
+    entry: dict[str, Any]
+
+
+def load_index(store: ArtifactStore) -> dict[str, Any]:
+    """index.json as written, without touching Orbax (resume's compatibility check reads this)."""
+    if not store.exists(INDEX):
+        return _index_doc({}, None)
+    doc = store.read_json(INDEX)
+    if not isinstance(doc, dict) or not isinstance(doc.get("checkpoints"), list):
+        raise CheckpointError(
+            f"{store.uri(INDEX)} is not a checkpoint index; delete it to rebuild it from the "
+            "committed checkpoints"
+        )
+    return doc
+
+
+class CheckpointService:
+    """Save, index, retain and restore train-state checkpoints of one run."""
+
+    def __init__(
+        self,
+        store: ArtifactStore,
+        *,
+        keep: int,
+        async_save: bool = True,
+        best_metric: str = "val_loss",
+        read_only: bool = False,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        configure_gcs_env()
+        self.store = store
+        self.keep = keep
+        self.best_metric = best_metric
+        self.read_only = read_only
+        self.directory = store.uri(CKPT_DIR)
+        if store.remote:
+            _invalidate_epath_cache(self.directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None,  # retention is ours (see module docstring)
+            enable_async_checkpointing=async_save,
+            # Removes what a crash left: local `<step>.orbax-checkpoint-tmp` dirs, gs:// steps
+            # without a commit file. Never in read-only use: it would delete a live run's save.
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
+            # The writer creates and commits step directories; the others write their shards.
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=store.writer_index
+            ),
+        )
+        try:
+            self._mgr = ocp.CheckpointManager(
+                epath.Path(self.directory), item_names=ITEMS, options=options
+            )
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot open checkpoints under {self.directory}: {e}") from e
+        self._pending: _Pending | None = None
+        self._entries, changed = self._reconcile()
+        if changed:
+            self._write_index()
+
+    # ---- index -------------------------------------------------------------------------------
+
+    def _committed(self, step: int) -> bool:
+        rel = f"{CKPT_DIR}/{step}"
+        if self.store.remote:
+            return self.store.exists(f"{rel}/{COMMIT_FILE}")
+        return self.store.isdir(rel)  # the atomic rename from the tmp dir is the commit
+
+    def _committed_steps(self) -> set[int]:
+        return {
+            int(n) for n in self.store.listdir(CKPT_DIR) if n.isdigit() and self._committed(int(n))
+        }
+
+    def _reconcile(self) -> tuple[dict[int, dict[str, Any]], bool]:
+        """Index entries that agree with disk: drop steps that are gone, adopt committed steps a
+        crash kept out of the index. Every host computes the same answer from the same files."""
+        listed = {int(e["step"]): e for e in load_index(self.store)["checkpoints"]}
+        on_disk = self._committed_steps()
+        entries = {s: e for s, e in listed.items() if s in on_disk}
+        for step in sorted(on_disk - listed.keys()):
+            entry = self._read_entry(step)
+            if entry is not None:
+                entries[step] = entry
+        return entries, entries != listed
+
+    def _read_entry(self, step: int) -> dict[str, Any] | None:
+        rel = f"{CKPT_DIR}/{step}/entry/metadata"  # JsonSave's file inside the `entry` item
+        try:
+            entry = self.store.read_json(rel)
+        except StorageError:
+            log.warning(
+                "checkpoint %s/%d has no readable entry; leaving it unindexed", self.directory, step
+            )
+            return None
+        return entry if isinstance(entry, dict) and entry.get("step") == step else None
+
+    def _best(self) -> int | None:
+        scored = [
+            (float(e["metrics"][self.best_metric]), s)
+            for s, e in self._entries.items()
+            if isinstance(e.get("metrics"), dict) and self.best_metric in e["metrics"]
+        ]
+        return min(scored)[1] if scored else None
+
+    def read_index(self) -> dict[str, Any]:
+        return _index_doc(self._entries, self._best())
+
+    def _write_index(self) -> None:
+        if self.store.is_writer and not self.read_only:
+            self.store.write_json(INDEX, self.read_index())
+
+    def steps(self) -> list[int]:
+        return sorted(self._entries)
+
+    def latest(self) -> int | None:
+        return max(self._entries) if self._entries else None
+
+    def best(self) -> int | None:
+        return self._best()
+
+    def fingerprint(self, step: int) -> dict[str, Any]:
+        return dict(self._entry(step).get("fingerprint") or {})
+
+    def _entry(self, step: int) -> dict[str, Any]:
+        if step not in self._entries:
+            raise CheckpointError(
+                f"step {step} is not a committed checkpoint under {self.directory}; "
+                f"available steps: {self._available()}"
+            )
+        return self._entries[step]
+
+    def _available(self) -> str:
+        return ", ".join(map(str, self.steps())) or "none"
+
+    def resolve(self, selector: str | int) -> int:
+        """'latest', 'best' or a step number -> a committed step, or CheckpointError."""
+        if not self._entries:
+            raise CheckpointError(
+                f"no checkpoint under {self.directory}; run without --resume first"
+            )
+        if selector == "latest":
+            return max(self._entries)
+        if selector == "best":
+            best = self._best()
+            if best is None:
+                raise CheckpointError(
+                    f"no checkpoint under {self.directory} records {self.best_metric}, so none "
+                    "is 'best'; use 'latest' or a step number"
+                )
+            return best
+        if isinstance(selector, int) or (isinstance(selector, str) and selector.isdigit()):
+            step = int(selector)
+            self._entry(step)
+            return step
+        raise CheckpointError(
+            f"checkpoint selector {selector!r} is not 'latest', 'best' or a step number"
+        )
+
+    # ---- save --------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        *,
+        params: Any,
+        opt_state: Any,
+        meta: dict[str, Any],
+        metrics: dict[str, float] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Start saving `step` (in the background if async); every host must call it.
+
+        Returns False when `step` is already saved (e.g. a final save right after a periodic
+        one); force=True replaces that checkpoint instead. A step older than the latest one is
+        refused: a run resumed from an older step must call discard_after() first.
+        """
+        if self.read_only:
+            raise RuntimeError(f"checkpoint service on {self.directory} is read-only")
+        self._settle()
+        if step in self._entries:
+            if not force:
+                return False
+            self._delete([step])
+        latest = self.latest()
+        if latest is not None and step < latest:
+            raise CheckpointError(
+                f"cannot save step {step} under {self.directory}: checkpoint {latest} is newer; "
+                f"a run resumed from an older step must discard the later ones first"
+            )
+        entry = {
+            "step": step,
+            "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "metrics": {k: float(v) for k, v in (metrics or {}).items()},
+            "fingerprint": meta.get("fingerprint", {}),
+        }
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            opt_state=ocp.args.StandardSave(opt_state),
+            meta=ocp.args.JsonSave(meta),
+            entry=ocp.args.JsonSave(entry),
+        )
+        try:
+            # force: the train loop decides when to save; Orbax's own interval policy must not.
+            self._mgr.save(step, args=args, force=True)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"cannot save checkpoint {step} under {self.directory}: {e}"
+            ) from e
+        self._pending = _Pending(step, entry)
+        self.poll()  # a synchronous save is committed already
+        return True
+
+    def poll(self) -> int | None:
+        """Index a save that has finished in the background; returns its step, else None.
+
+        Cheap enough for every train step: nothing is read until Orbax says the save is done.
+        """
+        if self._pending is None or self._mgr.is_saving_in_progress():
+            return None
+        pending, self._pending = self._pending, None
+        if not self._committed(pending.step):
+            raise CheckpointError(
+                f"checkpoint {pending.step} under {self.directory} did not commit (the Orbax "
+                "log above has the cause); check the storage and restart from the latest checkpoint"
+            )
+        self._entries[pending.step] = pending.entry
+        self._write_index()
+        return pending.step
+
+    def _settle(self) -> None:
+        # Every host reaches this together, so the deletes' barriers line up.
+        self._mgr.wait_until_finished()
+        self.poll()
+        self._retain()
+
+    def _retain(self) -> None:
+        steps = self.steps()
+        keep = set(steps[-self.keep :])
+        best = self._best()
+        if best is not None:
+            keep.add(best)
+        self._delete([s for s in steps if s not in keep])
+
+    def _delete(self, steps: list[int]) -> None:
+        if not steps:
+            return
+        for s in steps:
+            self._entries.pop(s, None)
+        self._write_index()  # index first: a crash between leaves an orphan, never a dangling entry
+        known = set(self._mgr.all_steps())
+        for s in steps:
+            if s in known:
+                self._mgr.delete(s)
+            elif self.store.is_writer:
+                self.store.delete(f"{CKPT_DIR}/{s}", recursive=True)
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete checkpoints newer than `step` (a run resumed from an older step branches off
+        there); every host must call it. Returns the deleted steps."""
+        self._mgr.wait_until_finished()
+        self.poll()
+        newer = [s for s in self.steps() if s > step]
+        self._delete(newer)
+        return newer
+
+    def wait(self) -> None:
+        """Block until every started save is committed, indexed and retention applied."""
+        if not self.read_only:
+            self._settle()
+
+    def close(self) -> None:
+        self.wait()
+        self._mgr.close()
+
+    # ---- restore -----------------------------------------------------------------------------
+
+    def restore(
+        self, step: int, *, params_target: Any, opt_state_target: Any = None
+    ) -> tuple[Any, Any | None, dict[str, Any]]:
+        """(params, opt_state or None, meta) of a committed step; every host must call it.
+
+        Targets are abstract pytrees (jax.ShapeDtypeStruct with .sharding) so arrays come back
+        sharded as the run needs. Without opt_state_target the optimizer state is not read.
+        """
+        self._entry(step)
+        items: dict[str, Any] = {
+            "params": ocp.args.StandardRestore(params_target),
+            "meta": ocp.args.JsonRestore(),
+        }
+        if opt_state_target is not None:
+            items["opt_state"] = ocp.args.StandardRestore(opt_state_target)
+        try:
+            out = self._mgr.restore(step, args=ocp.args.Composite(**items))
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"cannot restore checkpoint {step} from {self.directory}: {e}"
+            ) from e
+        opt_state = out["opt_state"] if opt_state_target is not None else None
+        return out["params"], opt_state, dict(out["meta"])
+
+
+def _index_doc(entries: dict[int, dict[str, Any]], best: int | None) -> dict[str, Any]:
+    return {
+        "checkpoints": [entries[s] for s in sorted(entries)],
+        "latest": max(entries) if entries else None,
+        "best": best,
+    }
+
+
+def _invalidate_epath_cache(uri: str) -> None:
+    # etils.epath keeps one gcsfs instance per process whose listings go stale when anything
+    # else (our store, another process) changed the bucket; Orbax lists steps through it.
+    fs = getattr(epath.Path(uri), "_backend", None)
+    if fs is not None and hasattr(fs, "fs"):
+        fs.fs(uri).invalidate_cache()

@@ -1,0 +1,278 @@
+"""The `runtime` command. User mistakes end in one sentence on stderr and exit 2, never a traceback.
+
+jax is imported lazily, so `config schema|check` and `data check` answer quickly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from typing import Any
+
+import click
+
+from jobspec.errors import ConfigError, JaxjobError
+
+EXIT_USER_ERROR = 2
+
+
+def _print_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+def _overrides(pairs: tuple[str, ...]) -> dict:
+    """`--set training.target_tokens=2000000` → nested dict; values parse as TOML literals."""
+    out: dict = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {pair!r}: use --set section.key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # a bare word is a string
+        cur = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            cur = cur.setdefault(p, {})
+        cur[leaf] = value
+    return out
+
+
+def _load(path: str, sets: tuple[str, ...] = ()):
+    from jobspec.load import load_run_config
+
+    return load_run_config(path, _overrides(sets))
+
+
+SET_OPTION = click.option(
+    "--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key, e.g. training.target_tokens=2e6."
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """jaxjob runtime: the program every host of a job runs."""
+
+
+@cli.command("local")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--resume", is_flag=True, help="Continue the run from its latest committed checkpoint.")
+@click.option(
+    "--max-steps", type=click.IntRange(min=1), default=None,
+    help="Stop after this many steps of this attempt, with a checkpoint (resume later with --resume).",
+)
+@SET_OPTION
+def local_cmd(config: str, resume: bool, max_steps: int | None, sets: tuple[str, ...]) -> None:
+    """Train CONFIG on this node's devices, with no launcher.
+
+    Exits 0 when done (or stopped by --max-steps), 42 when stopped by SIGTERM/SIGINT after a
+    final checkpoint (restartable: run again with --resume), 2 on a bad config or input.
+    """
+    cfg, source = _load(config, sets)
+    from runtime.train import train
+
+    result = train(cfg, source, resume=resume, max_steps=max_steps)
+    sys.exit(result.exit_code)
+
+
+@cli.group("config")
+def config_group() -> None:
+    """Check run configs and print their schema."""
+
+
+@config_group.command("check")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@SET_OPTION
+def config_check(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
+    """Validate CONFIG and show what it resolves to: sizes, FLOPs, tokens per step."""
+    from jobspec.load import resolved_dict
+    from runtime.flops import flops_per_token, parameter_counts
+
+    cfg, _ = _load(config, sets)
+    t = cfg.training
+    info = {
+        "config": config,
+        "resolved": resolved_dict(cfg),
+        "parameters": parameter_counts(cfg.model),
+        "flops_per_token": flops_per_token(cfg.model, t.seq_len),
+        "tokens_per_step": t.tokens_per_step,
+        "total_steps": t.total_steps,
+        "mesh_devices": cfg.mesh.size,
+        "run_dir": f"{cfg.run.output_uri.rstrip('/')}/{cfg.run.id}",
+    }
+    if as_json:
+        _print_json(info)
+        return
+    p = info["parameters"]
+    click.echo(f"{config}: valid")
+    click.echo(f"  run dir          {info['run_dir']}")
+    click.echo(f"  parameters       {p['total']:,} ({p['non_embedding']:,} without the embedding)")
+    click.echo(f"  FLOPs/token      {info['flops_per_token']['total']:,.0f} (6N + attention, no causal halving)")
+    click.echo(
+        f"  tokens/step      {t.tokens_per_step:,} = {t.global_batch_size} x {t.gradient_accumulation_steps} x {t.seq_len}"
+        " (global_batch_size x gradient_accumulation_steps x seq_len)"
+    )
+    click.echo(f"  steps            {t.total_steps:,} to reach {t.target_tokens:,} tokens")
+    click.echo(f"  mesh             data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} ({cfg.mesh.size} devices)")
+
+
+@config_group.command("schema")
+def config_schema() -> None:
+    """Print the JSON Schema of the run config (for editors)."""
+    from jobspec.load import run_config_schema
+
+    _print_json(run_config_schema())
+
+
+@cli.group("data")
+def data_group() -> None:
+    """Prepare and check token manifests."""
+
+
+@data_group.command("prepare")
+@click.option("--input", "inputs", multiple=True, required=True, help="File or glob ('{stdlib}' = Python's stdlib); repeatable.")
+@click.option("--tokenizer", default="byte", show_default=True, help="'byte' or a path to tokenizer.json.")
+@click.option("--out", required=True, help="Output directory (local or gs://).")
+@click.option("--val-fraction", default=0.05, show_default=True, type=float)
+@click.option("--max-bytes", default=None, type=int, help="Stop reading inputs after this many bytes.")
+@click.option("--json", "as_json", is_flag=True)
+def data_prepare(inputs, tokenizer, out, val_fraction, max_bytes, as_json) -> None:
+    """Tokenize text/JSONL files into token shards and a manifest.json."""
+    from runtime.data.prepare import prepare_dataset
+
+    m = prepare_dataset(list(inputs), tokenizer, out, val_fraction=val_fraction, max_bytes=max_bytes)
+    summary = json.loads(m.model_dump_json())
+    if as_json:
+        _print_json(summary)
+    else:
+        click.echo(f"wrote {out.rstrip('/')}/manifest.json (tokenizer {m.tokenizer.id}, fingerprint {m.fingerprint})")
+
+
+@data_group.command("check")
+@click.argument("manifest")
+@click.option("--deep", is_flag=True, help="Also verify every shard's hash.")
+@click.option("--json", "as_json", is_flag=True)
+def data_check(manifest: str, deep: bool, as_json: bool) -> None:
+    """Validate a manifest and its shards."""
+    from runtime.data.manifest import check_manifest
+
+    summary = check_manifest(manifest, deep=deep)
+    if as_json:
+        _print_json(summary)
+    else:
+        click.echo(f"{manifest}: ok")
+        for k, v in summary.items():
+            click.echo(f"  {k:<16} {v}")
+
+
+@cli.command("preflight")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True)
+@SET_OPTION
+def preflight_cmd(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
+    """Check devices, mesh fit, data, output and memory before a run."""
+    from runtime.preflight import preflight
+
+    cfg, _ = _load(config, sets)
+    report = preflight(cfg)
+    if as_json:
+        _print_json(report)
+    else:
+        for check in report["checks"]:
+            mark = "ok  " if check["ok"] else "FAIL"
+            click.echo(f"{mark} {check['name']:<10} {check['detail']}")
+    if not all(c["ok"] for c in report["checks"]):
+        sys.exit(1)
+
+
+@cli.command("inspect")
+@click.argument("run")
+@click.option("--json", "as_json", is_flag=True)
+def inspect_cmd(run: str, as_json: bool) -> None:
+    """Summarise a run directory or gs:// URI: status, progress, losses, checkpoints."""
+    from runtime.inspect import inspect_run, render
+
+    report = inspect_run(run)
+    if as_json:
+        _print_json(report)
+    else:
+        click.echo(render(report))
+
+
+@cli.group("eval")
+def eval_group() -> None:
+    """Evaluate a checkpoint."""
+
+
+@eval_group.command("checkpoint")
+@click.argument("run")
+@click.option("--checkpoint", "selector", default="latest", show_default=True, help="latest, best or a step.")
+@click.option("--json", "as_json", is_flag=True)
+def eval_checkpoint_cmd(run: str, selector: str, as_json: bool) -> None:
+    """Run the configured evals on one checkpoint of RUN; writes evals/<step>.json."""
+    from runtime.offline import eval_checkpoint
+
+    out = eval_checkpoint(run, selector)
+    if as_json:
+        _print_json(out)
+    else:
+        for r in out["results"]:
+            click.echo(f"step {out['step']} | {r['name']} | loss: {r['loss']:.4f} | tokens: {r['token_count']:,.0f}")
+        click.echo(f"wrote {out['path']}")
+
+
+@cli.group("sample")
+def sample_group() -> None:
+    """Generate tokens from a checkpoint."""
+
+
+@sample_group.command("checkpoint")
+@click.argument("run")
+@click.option("--checkpoint", "selector", default="latest", show_default=True)
+@click.option("--prompt-ids", required=True, help="Comma-separated token ids, e.g. 1,2,3.")
+@click.option("--max-new-tokens", default=16, show_default=True, type=int)
+@click.option("--temperature", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=None, type=int, help="Sample among the k most likely tokens; 1 = greedy.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True)
+def sample_checkpoint_cmd(run, selector, prompt_ids, max_new_tokens, temperature, top_k, seed, as_json) -> None:
+    """KV-cache decode from one checkpoint of RUN; writes samples/<step>-<n>.json."""
+    from runtime.offline import sample_checkpoint
+
+    try:
+        ids = [int(x) for x in prompt_ids.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids {prompt_ids!r}: use comma-separated integers, e.g. 1,2,3") from None
+    out = sample_checkpoint(run, selector, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_k=top_k, seed=seed)
+    if as_json:
+        _print_json(out)
+    else:
+        click.echo(",".join(str(t) for t in out["new_ids"]))
+        if out.get("text") is not None:
+            click.echo(repr(out["text"]))
+        click.echo(f"wrote {out['path']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="runtime", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(EXIT_USER_ERROR)
+    except JaxjobError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

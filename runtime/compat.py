@@ -1,0 +1,54 @@
+"""The compatibility fingerprint a checkpoint records, and the check resume runs before Orbax.
+
+Keys are the run-config field paths, so a failed check names exactly what changed. What may
+change on resume (target_tokens, log/eval/checkpoint cadence, remat, output paths) is absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobspec.errors import CheckpointError
+from jobspec.load import resolved_dict
+from jobspec.run_config import RunConfig
+
+_MODEL_FREE = {"remat"}  # recomputation policy: same numbers, same shapes
+
+
+def _flatten(prefix: str, obj: Any, out: dict[str, Any]) -> None:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _flatten(f"{prefix}.{k}", v, out)
+    else:
+        out[prefix] = obj
+
+
+def fingerprint(cfg: RunConfig, *, manifest_fingerprint: str, tokenizer_id: str) -> dict[str, Any]:
+    raw = resolved_dict(cfg)
+    out: dict[str, Any] = {}
+    _flatten("model", {k: v for k, v in raw["model"].items() if k not in _MODEL_FREE}, out)
+    _flatten("optimizer", raw["optimizer"], out)
+    out["model.resolved_head_dim"] = cfg.model.resolved_head_dim
+    out["data.tokenizer"] = tokenizer_id
+    out["data.manifest"] = manifest_fingerprint
+    out["data.order"] = cfg.data.order
+    out["run.seed"] = cfg.run.seed
+    out["training.seq_len"] = cfg.training.seq_len
+    out["training.global_batch_size"] = cfg.training.global_batch_size
+    out["training.gradient_accumulation_steps"] = cfg.training.gradient_accumulation_steps
+    return out
+
+
+def check_compatible(saved: dict[str, Any], current: dict[str, Any], *, step: int) -> None:
+    """Raise CheckpointError naming the first field whose value differs from the checkpoint's."""
+    # The config's own order, tokenizer before manifest: a new tokenizer also changes the
+    # manifest, and the tokenizer is the cause worth naming.
+    keys = list(current) + [k for k in saved if k not in current]
+    for key in keys:
+        old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if old != new:
+            what = "content fingerprint" if key == "data.manifest" else "value"
+            raise CheckpointError(
+                f"cannot resume from checkpoint {step}: compatibility.{key} changed ({what} "
+                f"{old!r} in the checkpoint, {new!r} in the config); restore it or start a new run.id"
+            )

@@ -1,0 +1,40 @@
+"""Training FLOPs per token, as MaxText and torchtitan count them.
+
+    flops_per_token = 6 * N + 12 * L * T * H * D
+
+N is the parameter count without the input embedding table (a lookup, not a matmul), with the
+LM-head matrix counted once even when it is tied to the embedding (the head is a matmul either
+way). The second term is attention's QK^T and AV products: per layer and token, 2 matmuls of
+2*T*H*D FLOPs forward, times 3 for forward + backward. No causal halving is applied (the same
+convention as torchtitan's `get_num_flop_per_token` and MaxText's non-causal count), so MFU here
+is directly comparable with theirs; a causal-aware count would be 6 * L * T * H * D.
+"""
+
+from __future__ import annotations
+
+from jobspec.run_config import ModelConfig
+
+
+def parameter_counts(m: ModelConfig) -> dict[str, int]:
+    d = m.resolved_head_dim
+    attn = m.hidden_size * (m.num_heads * d) * 2 + m.hidden_size * (m.num_kv_heads * d) * 2
+    mlp = 3 * m.hidden_size * m.intermediate_size
+    norms = 2 * m.hidden_size + 2 * d
+    per_layer = attn + mlp + norms
+    embedding = m.vocab_size * m.hidden_size
+    head = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size
+    total = embedding + m.num_layers * per_layer + m.hidden_size + head
+    return {
+        "total": total,
+        "embedding": embedding,
+        "non_embedding": total - embedding,
+        "per_layer": per_layer,
+    }
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
+    counts = parameter_counts(m)
+    head = m.vocab_size * m.hidden_size
+    n = counts["total"] - counts["embedding"] + (head if m.tie_word_embeddings else 0)
+    attention = 12 * m.num_layers * seq_len * m.num_heads * m.resolved_head_dim
+    return {"params_counted": n, "dense": 6 * n, "attention": attention, "total": 6 * n + attention}

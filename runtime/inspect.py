@@ -1,0 +1,72 @@
+"""`runtime inspect`: what a run directory (local or gs://) says about itself. Reads only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobspec.errors import StorageError
+from runtime.artifacts import EVAL_METRICS, EVENTS, TRAIN_METRICS
+from runtime.storage import configure_gcs_env
+from runtime.store import ArtifactStore
+
+
+def open_run(run: str) -> ArtifactStore:
+    configure_gcs_env()
+    store = ArtifactStore(run.rstrip("/"), process_index=0)
+    if not store.exists("manifest.json"):
+        raise StorageError(f"{run} is not a jaxjob run directory (no manifest.json there)")
+    return store
+
+
+def inspect_run(run: str) -> dict[str, Any]:
+    store = open_run(run)
+    manifest = store.read_json("manifest.json")
+    rows = store.read_jsonl(TRAIN_METRICS) if store.exists(TRAIN_METRICS) else []
+    evals = store.read_jsonl(EVAL_METRICS) if store.exists(EVAL_METRICS) else []
+    events = store.read_jsonl(EVENTS) if store.exists(EVENTS) else []
+    index = store.read_json("checkpoints/index.json") if store.exists("checkpoints/index.json") else {}
+    summary = store.read_json("summaries/final.json") if store.exists("summaries/final.json") else None
+    timed = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)
+    last = rows[-1] if rows else None
+    best = min(evals, key=lambda r: r["loss"]) if evals else None
+    return {
+        "run": store.uri(""),
+        "run_id": manifest.get("run_id"),
+        "status": manifest.get("status"),
+        "steps": last["step"] if last else 0,
+        "total_steps": manifest.get("total_steps"),
+        "tokens": last["tokens"] if last else 0,
+        "first_loss": rows[0]["loss"] if rows else None,
+        "last_loss": last["loss"] if last else None,
+        "best_eval": {k: best[k] for k in ("step", "name", "loss")} if best else None,
+        "tokens_per_s_median": timed[len(timed) // 2] if timed else None,
+        "mfu_last": next((r["mfu"] for r in reversed(rows) if "mfu" in r), None),
+        "checkpoints": [c["step"] for c in index.get("checkpoints", [])],
+        "latest_checkpoint": index.get("latest"),
+        "best_checkpoint": index.get("best"),
+        "last_event": events[-1] if events else None,
+        "summary": summary,
+    }
+
+
+def render(r: dict[str, Any]) -> str:
+    def fmt(x: Any, spec: str = "") -> str:
+        return "-" if x is None else format(x, spec)
+
+    lines = [
+        f"run          {r['run_id']}  ({r['run']})",
+        f"status       {r['status']}",
+        f"steps        {r['steps']} / {fmt(r['total_steps'])}   tokens {r['tokens']:,}",
+        f"loss         first {fmt(r['first_loss'], '.4f')}  last {fmt(r['last_loss'], '.4f')}",
+    ]
+    if r["best_eval"]:
+        b = r["best_eval"]
+        lines.append(f"best eval    {b['name']} {b['loss']:.4f} at step {b['step']}")
+    lines.append(f"throughput   {fmt(r['tokens_per_s_median'], ',.0f')} tokens/s (median)"
+                 + (f", MFU {100 * r['mfu_last']:.1f}%" if r["mfu_last"] is not None else ""))
+    lines.append(f"checkpoints  {r['checkpoints'] or 'none'}  latest {fmt(r['latest_checkpoint'])}  "
+                 f"best {fmt(r['best_checkpoint'])}")
+    if r["last_event"]:
+        e = r["last_event"]
+        lines.append(f"last event   {e.get('event')} at {e.get('time')}")
+    return "\n".join(lines)

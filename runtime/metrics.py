@@ -1,0 +1,57 @@
+"""Train-metric rows and the live line. Timing comes only from explicit synchronisation points."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Throughput:
+    """Tokens/s and step time over the steps between two synchronisation points."""
+
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float | None  # whole job: per-chip peak x chips; None = MFU not reported
+    started: float = field(default_factory=time.perf_counter)
+    _last_time: float | None = None
+    _last_step: int | None = None
+
+    def mark(self, step: int) -> None:
+        """Call right after a host sync (device_get) at `step`: opens the next interval."""
+        self._last_time, self._last_step = time.perf_counter(), step
+
+    def interval(self, step: int) -> dict[str, float] | None:
+        """Figures for the steps since the last mark; None before the first mark."""
+        now = time.perf_counter()
+        if self._last_time is None or self._last_step is None or step <= self._last_step:
+            return None
+        steps = step - self._last_step
+        dt = now - self._last_time
+        tps = steps * self.tokens_per_step / dt
+        out = {"step_time": dt / steps, "tokens_per_s": tps, "elapsed": now - self.started}
+        if self.peak_flops:
+            out["mfu"] = tps * self.flops_per_token / self.peak_flops
+        self._last_time, self._last_step = now, step
+        return out
+
+
+def live_line(row: dict) -> str:
+    """`step: 10 | loss: 5.247 | grad_norm: 1.155 | lr: 2.9e-04 | tps: 59,660 | elapsed: 39.8s`."""
+    parts = [
+        f"step: {row['step']}",
+        f"loss: {row['loss']:.3f}",
+        f"grad_norm: {row['grad_norm']:.3f}",
+        f"lr: {row['lr']:.1e}",
+    ]
+    if "tokens_per_s" in row:
+        parts.append(f"tps: {row['tokens_per_s']:,.0f}")
+    if "mfu" in row:
+        parts.append(f"mfu: {100 * row['mfu']:.1f}%")
+    if "elapsed" in row:
+        parts.append(f"elapsed: {row['elapsed']:.1f}s")
+    return " | ".join(parts)
+
+
+def eval_line(step: int, name: str, loss: float, tokens: float) -> str:
+    return f"eval {name} @ step {step} | loss: {loss:.3f} | tokens: {tokens:,.0f}"

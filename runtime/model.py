@@ -1,0 +1,360 @@
+"""Qwen3-family decoder in Flax NNX.
+
+The math follows Hugging Face `Qwen3ForCausalLM` exactly (a later parity test checks logits to
+1e-4): fp32 RMSNorm `x * rsqrt(mean(x^2) + eps) * weight`, q/k RMSNorm over head_dim per head
+before RoPE, "rotate_half" RoPE (first half / second half), GQA with query head h reading kv head
+h // (num_heads / num_kv_heads), scale 1/sqrt(head_dim), SwiGLU, no biases, final norm, tied or
+separate lm head.
+
+Parameters carry LOGICAL axis names as flax `out_sharding` metadata (see `LOGICAL_AXES`); model
+code never names mesh axes. `runtime/sharding.py` maps logical names to mesh axes, e.g.::
+
+    with nnx.logical_axis_rules(rules):
+        specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+
+Kernels are stored [in, out] so an HF `weight` maps in by a plain transpose. Paths mirror HF:
+`embed_tokens.embedding`, `layers[i].self_attn.{q,k,v,o}_proj.kernel`,
+`layers[i].self_attn.{q,k}_norm.scale`, `layers[i].{input,post_attention}_layernorm.scale`,
+`layers[i].mlp.{gate,up,down}_proj.kernel`, `norm.scale`, `lm_head.kernel` (untied only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jobspec.run_config import ModelConfig
+
+#: Every logical axis name a parameter may carry.
+LOGICAL_AXES: tuple[str, ...] = ("vocab", "embed", "heads", "kv_heads", "mlp", "norm")
+
+_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# Policies per ModelConfig.remat; "none" means no checkpoint wrapper at all.
+_REMAT_POLICIES: dict[str, Any] = {
+    # Keep projection/MLP matmul outputs (dots without batch dims), recompute the cheap rest.
+    "block": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Keep nothing but the block's inputs; recompute the whole block in the backward pass.
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def dtype_of(name: str) -> Any:
+    """The jnp dtype for a config dtype name ("float32" | "bfloat16")."""
+    return _DTYPES[name]
+
+
+class KVCache(NamedTuple):
+    """Decoding state: per-layer keys/values [B, max_len, kv_heads, head_dim] and the fill index.
+
+    `index` (int32 scalar) is the number of slots already written; the next `decode` call writes
+    its T tokens at slots index..index+T-1. A pytree, so it passes through jit and loops.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    index: jax.Array
+
+
+def _normal_param(
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    std: float,
+    param_dtype: Any,
+    eager_sharding: bool,
+) -> nnx.Param:
+    # Plain (not truncated) normal, like HF's `_init_weights`; drawn in fp32 and then cast, so a
+    # bf16-stored model holds the rounded values of the fp32 model with the same seed.
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(param_dtype), out_sharding=names, eager_sharding=eager_sharding)
+
+
+class Dense(nnx.Module):
+    """Bias-free projection with a [in, out] kernel."""
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        names: tuple[str, str],
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        eager_sharding: bool,
+    ) -> None:
+        self.kernel = _normal_param(
+            rngs, (d_in, d_out), names, cfg.init_std, dtype_of(cfg.param_dtype), eager_sharding
+        )
+        self.compute_dtype = dtype_of(cfg.compute_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...d,df->...f", x, self.kernel[...].astype(self.compute_dtype))
+
+
+class Embed(nnx.Module):
+    """Token embedding table [vocab, hidden]; also the lm head when tied."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
+        self.embedding = _normal_param(
+            rngs,
+            (cfg.vocab_size, cfg.hidden_size),
+            ("vocab", "embed"),
+            cfg.init_std,
+            dtype_of(cfg.param_dtype),
+            eager_sharding,
+        )
+        self.compute_dtype = dtype_of(cfg.compute_dtype)
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], inputs, axis=0).astype(self.compute_dtype)
+
+
+class RMSNorm(nnx.Module):
+    """HF Qwen3RMSNorm: statistics in fp32, result cast back to the input dtype, times weight."""
+
+    def __init__(self, dim: int, cfg: ModelConfig, *, eager_sharding: bool) -> None:
+        self.scale = nnx.Param(
+            jnp.ones((dim,), dtype_of(cfg.param_dtype)),
+            out_sharding=("norm",),
+            eager_sharding=eager_sharding,
+        )
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """fp32 cos/sin [B, T, head_dim] for integer positions [B, T], HF default RoPE."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, T, N, D] in the "rotate_half" convention; done in fp32, cast back."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with per-head q/k RMSNorm before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
+        d, hd = cfg.hidden_size, cfg.resolved_head_dim
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = hd
+        self.compute_dtype = dtype_of(cfg.compute_dtype)
+        kw = {"rngs": rngs, "eager_sharding": eager_sharding}
+        self.q_proj = Dense(d, cfg.num_heads * hd, ("embed", "heads"), cfg, **kw)
+        self.k_proj = Dense(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg, **kw)
+        self.v_proj = Dense(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg, **kw)
+        self.o_proj = Dense(cfg.num_heads * hd, d, ("heads", "embed"), cfg, **kw)
+        self.q_norm = RMSNorm(hd, cfg, eager_sharding=eager_sharding)
+        self.k_norm = RMSNorm(hd, cfg, eager_sharding=eager_sharding)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None = None,
+        index: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """x [B,T,D]; mask bool [B|1, T, S] (True = may attend); kv: cache arrays [B,S,KV,hd]."""
+        b, t, _ = x.shape
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(self.q_proj(x).reshape(b, t, h, hd))
+        k = self.k_norm(self.k_proj(x).reshape(b, t, kvh, hd))
+        v = self.v_proj(x).reshape(b, t, kvh, hd)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+        new_kv = None
+        if kv is not None:
+            assert index is not None
+            ck = lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0))
+            cv = lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
+            new_kv = (ck, cv)
+            k, v = ck.astype(self.compute_dtype), cv.astype(self.compute_dtype)
+
+        # Grouped einsum instead of materialising repeat_kv: head h = g * rep + r reads kv head
+        # g, which is exactly HF's repeat_kv ordering.
+        rep = h // kvh
+        qg = q.reshape(b, t, kvh, rep, hd)
+        scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
+        scores = scores * (hd**-0.5)
+        # where (not an additive -inf) so a masked slot is exactly 0 after softmax.
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.compute_dtype)
+        out = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h * hd)
+        return self.o_proj(out), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        kw = {"rngs": rngs, "eager_sharding": eager_sharding}
+        self.gate_proj = Dense(d, f, ("embed", "mlp"), cfg, **kw)
+        self.up_proj = Dense(d, f, ("embed", "mlp"), cfg, **kw)
+        self.down_proj = Dense(f, d, ("mlp", "embed"), cfg, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
+        self.self_attn = Attention(cfg, rngs=rngs, eager_sharding=eager_sharding)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
+        self.mlp = MLP(cfg, rngs=rngs, eager_sharding=eager_sharding)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None = None,
+        index: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, index)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_kv
+
+
+def _block_forward(
+    block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
+) -> jax.Array:
+    return block(x, cos, sin, mask)[0]
+
+
+class Decoder(nnx.Module):
+    """Qwen3 causal LM: token ids in, float32 logits out.
+
+    `eager_sharding=False` (default) only records logical names, so the model builds without a
+    mesh; shard by jitting the init with out_shardings from `nnx.get_partition_spec` under logical
+    axis rules. `True` lets flax shard each Param at creation (needs a mesh and rules in context).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> None:
+        self.cfg = cfg
+        self.compute_dtype = dtype_of(cfg.compute_dtype)
+        self.embed_tokens = Embed(cfg, rngs=rngs, eager_sharding=eager_sharding)
+        self.layers = nnx.List(
+            [Block(cfg, rngs=rngs, eager_sharding=eager_sharding) for _ in range(cfg.num_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
+        if not cfg.tie_word_embeddings:
+            kw = {"rngs": rngs, "eager_sharding": eager_sharding}
+            self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, **kw)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        h = self.norm(x)
+        # fp32 accumulation and output: the loss is computed in fp32 whatever compute_dtype is.
+        if self.cfg.tie_word_embeddings:
+            w = self.embed_tokens.embedding[...].astype(self.compute_dtype)
+            return jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32)
+        w = self.lm_head.kernel[...].astype(self.compute_dtype)
+        return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        inputs: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """inputs, positions, segment_ids: int32 [B, T] -> float32 logits [B, T, vocab].
+
+        Attention is causal over the T axis and, given segment_ids, limited to equal segment ids;
+        positions only feed RoPE (the caller restarts them per packed document).
+        """
+        t = inputs.shape[1]
+        idx = jnp.arange(t)
+        mask = (idx[:, None] >= idx[None, :])[None]  # [1, T, T]
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        cos, sin = rope_tables(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta)
+
+        policy = _REMAT_POLICIES.get(self.cfg.remat)
+        block_fn = _block_forward
+        if policy is not None:
+            block_fn = nnx.remat(_block_forward, policy=policy, prevent_cse=True)
+        x = self.embed_tokens(inputs)
+        for block in self.layers:
+            x = block_fn(block, x, cos, sin, mask)
+        return self._logits(x)
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An empty cache of max_len slots per sequence (dtype defaults to compute_dtype)."""
+        dtype = self.compute_dtype if dtype is None else dtype
+        shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.resolved_head_dim)
+        n = self.cfg.num_layers
+        return KVCache(
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    def decode(
+        self, inputs: jax.Array, positions: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        """Run T new tokens against the cache: prefill (T = prompt length) or a step (T = 1).
+
+        The tokens go to slots cache.index..index+T-1; each attends to every slot up to its own.
+        Fixed shapes, so one jit serves every step. The caller keeps index + T <= max_len
+        (dynamic_update_slice would clamp, not fail).
+        """
+        t = inputs.shape[1]
+        max_len = cache.k[0].shape[1]
+        q_slots = cache.index + jnp.arange(t)
+        mask = (jnp.arange(max_len)[None, :] <= q_slots[:, None])[None]  # [1, T, max_len]
+        cos, sin = rope_tables(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta)
+        x = self.embed_tokens(inputs)
+        new_k, new_v = [], []
+        for block, ck, cv in zip(self.layers, cache.k, cache.v, strict=True):
+            x, (nk, nv) = block(x, cos, sin, mask, (ck, cv), cache.index)
+            new_k.append(nk)
+            new_v.append(nv)
+        return self._logits(x), KVCache(tuple(new_k), tuple(new_v), cache.index + t)
+
+
+def param_count(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts from the config arithmetic.
+
+    embedding: the input table (vocab x hidden); lm_head: the separate head (0 when tied);
+    non_embedding: everything else (blocks and final norm). The head matmul costs vocab x hidden
+    MACs per token whether tied or not, so a FLOPs estimate adds that to non_embedding.
+    """
+    d, hd, f, v = cfg.hidden_size, cfg.resolved_head_dim, cfg.intermediate_size, cfg.vocab_size
+    attn = d * cfg.num_heads * hd + 2 * d * cfg.num_kv_heads * hd + cfg.num_heads * hd * d + 2 * hd
+    per_layer = attn + 3 * d * f + 2 * d
+    embedding = v * d
+    lm_head = 0 if cfg.tie_word_embeddings else v * d
+    non_embedding = cfg.num_layers * per_layer + d
+    return {
+        "total": embedding + lm_head + non_embedding,
+        "embedding": embedding,
+        "lm_head": lm_head,
+        "non_embedding": non_embedding,
+        "per_layer": per_layer,
+    }

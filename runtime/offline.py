@@ -1,0 +1,94 @@
+"""`runtime eval checkpoint` and `runtime sample checkpoint`: inference from a finished or live run.
+
+Only what inference needs is restored (parameters and meta), never optimizer or data state.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jobspec.errors import JaxjobError
+from jobspec.load import parse_run_config
+from jobspec.run_config import EvalConfig, MeshConfig, RunConfig
+from runtime.artifacts import now
+from runtime.checkpoint import CheckpointService
+from runtime.data.manifest import load_manifest
+from runtime.data.tokenizer import load_tokenizer
+from runtime.evaluate import Evaluator
+from runtime.inspect import open_run
+from runtime.sample import generate
+from runtime.session import ModelParts, build_model
+from runtime.sharding import build_mesh
+from runtime.store import ArtifactStore
+
+
+def _restore(run: str, selector: str) -> tuple[ArtifactStore, RunConfig, int, ModelParts, Mesh]:
+    store = open_run(run)
+    cfg = parse_run_config(store.read_json("config/resolved.json"), store.uri("config/resolved.json"))
+    ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=False, read_only=True)
+    try:
+        step = ckpt.resolve(selector)
+        # The run's own mesh where this machine has its device count; else one device.
+        devices = jax.devices()
+        mesh = build_mesh(cfg.mesh) if cfg.mesh.size == len(devices) else build_mesh(MeshConfig(), devices[:1])
+        abstract = build_model(cfg.model, cfg.run.seed, mesh, materialise=False)
+        params, _, _ = ckpt.restore(step, params_target=abstract.params)
+    finally:
+        ckpt.close()
+    parts = ModelParts(abstract.graphdef, params, abstract.others, abstract.param_shardings)
+    return store, cfg, step, parts, mesh
+
+
+def eval_checkpoint(run: str, selector: str) -> dict[str, Any]:
+    store, cfg, step, parts, mesh = _restore(run, selector)
+    manifest = load_manifest(cfg.data.manifest)
+    evaluator = Evaluator(cfg, manifest, parts, mesh)
+    evals = cfg.evals or [EvalConfig(name="validation")]
+    results = [evaluator.evaluate(parts.params, e.name, e.split, e.batches) for e in evals]
+    out = {"run_id": cfg.run.id, "step": step, "checkpoint": selector, "time": now(), "results": results}
+    rel = f"evals/step-{step}.json"
+    store.write_json(rel, out)
+    return {**out, "path": store.uri(rel)}
+
+
+def sample_checkpoint(
+    run: str,
+    selector: str,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+) -> dict[str, Any]:
+    store, cfg, step, parts, _ = _restore(run, selector)
+    model = nnx.merge(parts.graphdef, parts.params, *parts.others)
+    tokenizer = None
+    try:
+        manifest = load_manifest(cfg.data.manifest)
+        eos = manifest.tokenizer.eos_id
+        tokenizer = load_tokenizer(manifest.tokenizer.source or manifest.tokenizer.id)
+    except JaxjobError:  # sampling works without the data; only the text rendering is lost
+        eos = None
+    result = generate(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                      top_k=top_k, seed=seed, eos_id=eos)
+    out = {
+        "run_id": cfg.run.id,
+        "step": step,
+        "checkpoint": selector,
+        "time": now(),
+        "prompt_ids": list(prompt_ids),
+        "new_ids": result["tokens"],
+        "stop_reason": result["stop_reason"],
+        "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "seed": seed},
+        "text": tokenizer.decode(result["tokens"]) if tokenizer is not None else None,
+    }
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%f")
+    rel = f"samples/step-{step}-{stamp}.json"
+    store.write_json(rel, out)
+    return {**out, "path": store.uri(rel)}

@@ -1,0 +1,108 @@
+"""`runtime preflight`: everything a run would fail on in its first minute, checked up front."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jobspec.errors import JaxjobError
+from jobspec.run_config import RunConfig
+from runtime.data.manifest import load_manifest
+from runtime.flops import parameter_counts
+from runtime.session import check_data_fits
+from runtime.sharding import build_mesh
+from runtime.storage import join, url_to_fs
+from runtime.store import ArtifactStore
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
+    """Per-device bytes, assuming parameters and optimizer state are spread over fsdp x tensor.
+
+    Parameters, gradients (fp32 accumulators), AdamW moments (2 x fp32) and an activation
+    estimate per microbatch: per token and layer, roughly 16 x hidden + 3 x intermediate values
+    kept for the backward pass (plus the attention probabilities, heads x seq_len), or only the
+    block input under remat "full". An estimate to catch gross misfits, not an allocator trace.
+    """
+    m, t = cfg.model, cfg.training
+    n = parameter_counts(m)["total"]
+    shards = cfg.mesh.fsdp * cfg.mesh.tensor
+    pbytes = _BYTES[m.param_dtype]
+    cbytes = _BYTES[m.compute_dtype]
+    params = n * pbytes / shards
+    grads = n * 4 / shards
+    adam = 2 * n * 4 / shards
+    rows = t.global_batch_size / (cfg.mesh.data * cfg.mesh.fsdp)
+    per_token_layer = {
+        "none": 16 * m.hidden_size + 3 * m.intermediate_size + m.num_heads * t.seq_len / max(cfg.mesh.tensor, 1),
+        "block": 8 * m.hidden_size + 3 * m.intermediate_size,
+        "full": m.hidden_size,
+    }[m.remat]
+    activations = rows * t.seq_len * m.num_layers * per_token_layer * cbytes
+    logits = rows * t.seq_len * m.vocab_size * 4 / cfg.mesh.tensor
+    total = params + grads + adam + activations + logits
+    return {
+        "per_device_bytes": int(total),
+        "parts": {k: int(v) for k, v in
+                  {"params": params, "grads": grads, "adam": adam, "activations": activations, "logits": logits}.items()},
+        "devices": devices,
+    }
+
+
+def _device_limit() -> int | None:
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # CPU and some plugins do not report memory
+        return None
+    return stats.get("bytes_limit")
+
+
+def preflight(cfg: RunConfig) -> dict[str, Any]:
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, fn) -> Any:
+        try:
+            detail, value = fn()
+            checks.append({"name": name, "ok": True, "detail": detail})
+            return value
+        except JaxjobError as e:
+            checks.append({"name": name, "ok": False, "detail": str(e)})
+            return None
+
+    devices = jax.devices()
+    check("devices", lambda: (f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), "
+                              f"{jax.process_count()} process(es)", None))
+    check("mesh", lambda: (f"data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} fits "
+                           f"{len(build_mesh(cfg.mesh).devices.flat)} devices", None))
+
+    def data():
+        fs, path = url_to_fs(cfg.data.manifest)
+        if not fs.exists(path):
+            if cfg.data.prepare is None:
+                raise JaxjobError(f"data.manifest {cfg.data.manifest} does not exist and no [data.prepare] is set")
+            return f"{cfg.data.manifest} absent; will be prepared on first use from {cfg.data.prepare.inputs}", None
+        m = load_manifest(cfg.data.manifest)
+        check_data_fits(cfg, m)
+        train = m.split("train")
+        return f"{cfg.data.manifest}: {train.tokens:,} train tokens, tokenizer {m.tokenizer.id}", None
+
+    check("data", data)
+
+    def output():
+        store = ArtifactStore(join(cfg.run.output_uri, cfg.run.id))
+        store.check_writable()
+        return f"{store.uri('')} writable", None
+
+    check("output", output)
+    est = memory_estimate(cfg, len(devices))
+    limit = _device_limit()
+    fits = limit is None or est["per_device_bytes"] < limit
+    gib = est["per_device_bytes"] / 2**30
+    checks.append({
+        "name": "memory",
+        "ok": fits,
+        "detail": f"~{gib:.2f} GiB per device" + (f" of {limit / 2**30:.1f} GiB" if limit else " (device reports no limit)"),
+    })
+    return {"checks": checks, "memory": est}

@@ -1,0 +1,78 @@
+"""The mesh from `[mesh]`, and the one table mapping logical axis names to mesh axes.
+
+Model code names only logical axes (vocab, embed, heads, kv_heads, mlp, norm); this module alone
+knows mesh axes. FSDP shards parameters (and so optimizer state) over `fsdp` along `embed`; TP
+shards heads, MLP hidden and vocab over `tensor`; the batch is split over `data` x `fsdp`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jobspec.errors import ConfigError
+from jobspec.run_config import MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "norm": None,
+}
+
+
+def build_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    if cfg.size != len(devices):
+        raise ConfigError(
+            f"mesh.data x mesh.fsdp x mesh.tensor = {cfg.data} x {cfg.fsdp} x {cfg.tensor} = {cfg.size}, "
+            f"but this job has {len(devices)} device(s); make the product equal the device count"
+        )
+    shape = (cfg.data, cfg.fsdp, cfg.tensor)
+    # Auto axes: shardings are constraints for the compiler (GSPMD), not part of array types,
+    # so model code stays free of mesh axes.
+    auto = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=auto)
+    except (ValueError, TypeError):
+        # make_mesh insists on physical topology for some shapes; a plain reshape is always valid.
+        return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+
+
+def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
+    if axes is None:
+        return 1
+    names = (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def mesh_spec(logical: tuple | PartitionSpec | None, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """Logical names → mesh PartitionSpec; a dimension the mesh axis does not divide stays replicated."""
+    if logical is None:
+        return PartitionSpec()
+    names = tuple(logical)
+    out = []
+    for dim, name in zip(shape, names, strict=False):
+        axes = LOGICAL_RULES.get(name) if name is not None else None
+        if name is not None and name not in LOGICAL_RULES:
+            raise KeyError(f"logical axis {name!r} has no sharding rule")
+        out.append(axes if axes is not None and dim % _axis_size(mesh, axes) == 0 else None)
+    return PartitionSpec(*out)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, leading: int = 0) -> NamedSharding:
+    """Rows split over data x fsdp; `leading` unsharded dims (e.g. the microbatch axis) before them."""
+    spec = [None] * leading + [LOGICAL_RULES["batch"]] + [None] * (ndim - leading - 1)
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

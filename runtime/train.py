@@ -1,0 +1,297 @@
+"""The host loop around the pure train step: data in, metrics and checkpoints out, signals.
+
+It owns I/O, timing and signals; all math lives in train_step.py. Every host runs this same
+loop; host-global files go through the ArtifactStore, which only the writer may use for them.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jobspec.errors import CheckpointError, ConfigError
+from jobspec.load import resolved_dict
+from jobspec.run_config import RunConfig
+from runtime import artifacts
+from runtime.checkpoint import CheckpointService
+from runtime.compat import check_compatible, fingerprint
+from runtime.data.pipeline import TokenBatches
+from runtime.evaluate import Evaluator
+from runtime.metrics import Throughput
+from runtime.optim import build_optimizer
+from runtime.session import build_model, check_data_fits, ensure_manifest, opt_state_shardings
+from runtime.sharding import batch_sharding, build_mesh, replicated
+from runtime.storage import configure_gcs_env, join
+from runtime.store import ArtifactStore
+from runtime.train_step import make_train_step
+
+# Exit code of a run stopped by SIGTERM/SIGINT after its final checkpoint: backends restart it.
+EXIT_RESTARTABLE = 42
+
+
+@dataclass
+class StopRequest:
+    """Set by the signal handler; the loop checks it between steps (never inside a step)."""
+
+    signum: int | None = None
+    previous: dict[int, Any] = field(default_factory=dict)
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.signum = signum
+        # A second Ctrl-C falls through to the default handler and stops at once.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class TrainResult:
+    status: str  # completed | interrupted | stopped
+    exit_code: int
+    summary: dict
+
+
+@dataclass
+class Run:
+    """What the loop needs, built once per attempt by `_prepare`."""
+
+    cfg: RunConfig
+    store: ArtifactStore
+    ckpt: CheckpointService
+    art: artifacts.RunArtifacts
+    batches: TokenBatches
+    evaluator: Evaluator
+    step_fn: Callable
+    state: dict
+    start_step: int
+    data_state: dict | None
+    decay_steps: int
+    fingerprint: dict
+    batch_sharding: Any
+    global_shape: tuple[int, int, int]
+
+
+def _emit(line: str) -> None:
+    print(line, flush=True)
+
+
+def _open_run(cfg: RunConfig, resume: bool) -> tuple[ArtifactStore, CheckpointService]:
+    store = ArtifactStore(join(cfg.run.output_uri, cfg.run.id), process_index=jax.process_index())
+    store.check_writable()
+    ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
+    has_ckpt = ckpt.latest() is not None
+    if not resume and has_ckpt:
+        ckpt.close()
+        raise ConfigError(
+            f"run {cfg.run.id!r} already has checkpoints at {store.uri('checkpoints')}; pass --resume "
+            "to continue it, or set a new run.id"
+        )
+    if resume and not has_ckpt:
+        ckpt.close()
+        raise CheckpointError(
+            f"--resume was given but {store.uri('checkpoints')} holds no committed checkpoint; "
+            "run without --resume to start the run"
+        )
+    return store, ckpt
+
+
+def _prepare(cfg: RunConfig, source_toml: str, resume: bool, store, ckpt) -> Run:
+    manifest = ensure_manifest(cfg.data)
+    check_data_fits(cfg, manifest)
+    mesh = build_mesh(cfg.mesh)
+    fp = fingerprint(cfg, manifest_fingerprint=manifest.fingerprint, tokenizer_id=manifest.tokenizer.id)
+    total_steps = cfg.training.total_steps
+    start_step = ckpt.resolve("latest") if resume else 0
+    if resume:
+        check_compatible(ckpt.fingerprint(start_step), fp, step=start_step)  # before Orbax reads
+
+    parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
+    # The optimizer state's structure does not depend on the schedule length, so the shardings
+    # can come from a provisional optimizer before a resumed run learns its decay_steps.
+    provisional, _ = build_optimizer(cfg.optimizer, cfg.optimizer.schedule.decay_steps or total_steps)
+    o_sh = opt_state_shardings(provisional, parts.params, parts.param_shardings, mesh)
+    rep = replicated(mesh)
+    data_state = None
+    if resume:
+        abstract_opt = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            jax.eval_shape(provisional.init, parts.params),
+            o_sh,
+        )
+        params, opt_state, meta = ckpt.restore(start_step, params_target=parts.params, opt_state_target=abstract_opt)
+        rng = jax.device_put(np.asarray(meta["rng"], dtype=np.uint32), rep)
+        decay_steps = int(meta["decay_steps"])
+        saved = meta["data_state"]
+        data_state = saved.get(str(jax.process_index()), saved["0"])
+    else:
+        params = parts.params
+        opt_state = jax.jit(provisional.init, out_shardings=o_sh)(params)
+        rng = jax.device_put(jax.random.PRNGKey(cfg.run.seed), rep)
+        decay_steps = cfg.optimizer.schedule.decay_steps or total_steps
+    tx, schedule = build_optimizer(cfg.optimizer, decay_steps)
+    state = {
+        "params": params,
+        "opt_state": opt_state,
+        "step": jax.device_put(jnp.asarray(start_step, jnp.int32), rep),
+        "rng": rng,
+    }
+    state_sh = {"params": parts.param_shardings, "opt_state": o_sh, "step": rep, "rng": rep}
+
+    t = cfg.training
+    batches = TokenBatches(
+        manifest,
+        split="train",
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        accum=t.gradient_accumulation_steps,
+        order=cfg.data.order,
+        seed=cfg.run.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        prefetch=cfg.data.prefetch,
+    )
+    b_sh = batch_sharding(mesh, 3, leading=1)
+    step_fn = jax.jit(
+        make_train_step(parts.graphdef, parts.others, tx, schedule),
+        in_shardings=(state_sh, b_sh),
+        out_shardings=(state_sh, rep),
+        donate_argnums=0,
+    )
+    art = artifacts.RunArtifacts(store, cfg, source_toml)
+    art.start(
+        resume=resume,
+        start_step=start_step,
+        total_steps=total_steps,
+        diagnostics=artifacts.runtime_diagnostics(cfg, mesh, manifest, batches),
+    )
+    return Run(
+        cfg=cfg, store=store, ckpt=ckpt, art=art, batches=batches,
+        evaluator=Evaluator(cfg, manifest, parts, mesh), step_fn=step_fn, state=state,
+        start_step=start_step, data_state=data_state, decay_steps=decay_steps, fingerprint=fp,
+        batch_sharding=b_sh, global_shape=(t.gradient_accumulation_steps, t.global_batch_size, t.seq_len),
+    )  # fmt: skip
+
+
+def train(
+    cfg: RunConfig,
+    source_toml: str,
+    *,
+    resume: bool,
+    max_steps: int | None = None,
+    emit: Callable[[str], None] = _emit,
+) -> TrainResult:
+    """Train to target_tokens (or `max_steps` more steps, then checkpoint and stop)."""
+    configure_gcs_env()
+    t_start = time.perf_counter()
+    store, ckpt = _open_run(cfg, resume)
+    try:
+        run = _prepare(cfg, source_toml, resume, store, ckpt)
+    except BaseException:
+        ckpt.close()
+        raise
+    if resume:
+        emit(f"resumed {cfg.run.id} from checkpoint {run.start_step}; training to step {cfg.training.total_steps}")
+    stop = StopRequest()
+    stop.install()
+    step = run.start_step
+    try:
+        return _loop(run, stop, max_steps, emit, t_start)
+    except BaseException as e:
+        # What was committed stays; the failure is recorded; a half-save never becomes latest.
+        run.art.fail(step, e)
+        raise
+    finally:
+        stop.restore()
+        ckpt.close()
+
+
+def _loop(run: Run, stop: StopRequest, max_steps: int | None, emit, t_start: float) -> TrainResult:
+    cfg, t = run.cfg, run.cfg.training
+    total_steps = t.total_steps
+    end_step = total_steps if max_steps is None else min(total_steps, run.start_step + max_steps)
+    meter = Throughput(t.tokens_per_step, run.art.flops_per_token, run.art.job_peak_flops)
+    pending: list[tuple[int, dict, dict]] = []  # (step, device metrics, provenance) until next sync
+    last_row: dict | None = None
+    step = run.start_step
+    with run.batches.iterate(run.start_step) as it:
+        if run.data_state is not None:
+            it.set_state(run.data_state)
+        while step < end_step:
+            item = next(it)
+            batch = {
+                k: jax.make_array_from_process_local_data(run.batch_sharding, v, run.global_shape)
+                for k, v in item.batch.items()
+            }
+            run.state, m = run.step_fn(run.state, batch)
+            step += 1
+            pending.append((step, m, item.provenance))
+            if step == run.start_step + 1:
+                # The first step of an attempt includes compilation: time it alone, then start
+                # the throughput clock, so tokens/s measures steady-state steps only.
+                jax.block_until_ready(m)
+                run.art.event("first_step", step=step, seconds_since_start=time.perf_counter() - t_start)
+                meter.mark(step)
+            run.ckpt.poll()
+            last = step == end_step or stop.signum is not None
+            eval_now = t.eval_every > 0 and step % t.eval_every == 0 and step < total_steps
+            save_now = cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0 and step < total_steps
+            if step % t.log_every == 0 or last or eval_now or save_now:
+                last_row = run.art.flush_train_rows(pending, meter, emit) or last_row
+                pending = []
+            eval_metrics = run.evaluator.run(run.state["params"], step, run.art, emit) if eval_now else None
+            if save_now:
+                _save(run, step, eval_metrics)
+            if eval_now or save_now:
+                meter.mark(step)  # eval and save time is not training throughput
+            if stop.signum is not None:
+                break
+
+    wall = time.perf_counter() - t_start
+    if stop.signum is not None:
+        name = signal.Signals(stop.signum).name
+        if cfg.checkpoint.on_signal:
+            _save(run, step, None)
+            run.ckpt.wait()
+        emit(f"{name} received: stopped at step {step}" + (", checkpoint saved" if cfg.checkpoint.on_signal else ""))
+        summary = run.art.finish("interrupted", step, last_row, run.ckpt.read_index(), wall, signal=name)
+        return TrainResult("interrupted", EXIT_RESTARTABLE, summary)
+    if step < total_steps:  # --max-steps reached
+        _save(run, step, None)
+        run.ckpt.wait()
+        emit(f"stopped after {step - run.start_step} steps (--max-steps) at step {step}, checkpoint saved")
+        summary = run.art.finish("stopped", step, last_row, run.ckpt.read_index(), wall)
+        return TrainResult("stopped", 0, summary)
+    eval_metrics = run.evaluator.run(run.state["params"], step, run.art, emit) if cfg.evals else None
+    _save(run, step, eval_metrics)
+    run.ckpt.wait()
+    summary = run.art.finish("completed", step, last_row, run.ckpt.read_index(), time.perf_counter() - t_start)
+    return TrainResult("completed", 0, summary)
+
+
+def _save(run: Run, step: int, eval_metrics: dict[str, float] | None) -> None:
+    meta = {
+        "step": step,
+        "tokens": step * run.cfg.training.tokens_per_step,
+        "rng": np.asarray(jax.device_get(run.state["rng"])).tolist(),
+        "decay_steps": run.decay_steps,
+        # The loader's state is process-count independent; each process records its own.
+        "data_state": {str(jax.process_index()): run.batches.state_for(step)},
+        "fingerprint": run.fingerprint,
+        "config": resolved_dict(run.cfg),
+    }
+    metrics = {"val_loss": eval_metrics[run.cfg.evals[0].name]} if eval_metrics else None
+    if run.ckpt.save(step, params=run.state["params"], opt_state=run.state["opt_state"], meta=meta, metrics=metrics):
+        run.art.event("checkpoint", step=step, metrics=metrics)

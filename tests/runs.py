@@ -1,0 +1,78 @@
+"""Tiny run configs and helpers for the training suites (fast on 2 CPU cores)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from jobspec.load import merge
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_text_corpus(folder: Path, docs: int = 24) -> Path:
+    """Real-looking text, deterministic: a few documents of varied length."""
+    folder.mkdir(parents=True, exist_ok=True)
+    base = Path(sysconfig.get_paths()["stdlib"]).glob("json/*.py")
+    sources = [p.read_text(errors="replace") for p in sorted(base)] or ["lorem ipsum " * 200]
+    text = "\n".join(sources)
+    step = max(len(text) // docs, 200)
+    for i in range(docs):
+        (folder / f"doc-{i:03d}.txt").write_text(text[i * step : (i + 1) * step] or "empty document")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    return write_text_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory, corpus_dir) -> str:
+    """A prepared byte-tokenizer manifest shared by the session's runs."""
+    from runtime.data.prepare import prepare_dataset
+
+    out = tmp_path_factory.mktemp("data")
+    prepare_dataset([str(corpus_dir / "*.txt")], "byte", str(out), val_fraction=0.1)
+    return str(out / "manifest.json")
+
+
+def tiny_config(manifest: str, output_uri: str, run_id: str = "t", **over) -> dict:
+    cfg = {
+        "run": {"id": run_id, "seed": 0, "output_uri": output_uri},
+        "model": {
+            "vocab_size": 260, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+            "num_kv_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64,
+        },
+        "optimizer": {"lr": 3e-3, "schedule": {"kind": "cosine", "warmup_steps": 2}},
+        "data": {"manifest": manifest, "order": "shuffle"},
+        "training": {"seq_len": 16, "global_batch_size": 8, "target_tokens": 16 * 8 * 20, "log_every": 1},
+        "checkpoint": {"every": 0, "keep": 3, "async": True},
+    }  # fmt: skip
+    return merge(cfg, over)
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(tomli_w.dumps(cfg))
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The `runtime` CLI in a subprocess, exactly as a user runs it."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "runtime.cli", *args],
+        cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,164 @@
+"""The artifact store: round-trips, atomicity, the writer rule and the start-up check."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from jobspec.errors import StorageError
+from runtime.store import ArtifactStore, NotWriterError
+
+
+def files_under(root: str) -> list[str]:
+    out = []
+    for dirpath, _, files in os.walk(root):
+        out += [os.path.relpath(os.path.join(dirpath, f), root) for f in files]
+    return sorted(out)
+
+
+def test_json_text_bytes_round_trip(run_uri: str) -> None:
+    store = ArtifactStore(run_uri)
+    store.check_writable()
+    store.write_json("manifest.json", {"run": "r1", "n": [1, 2.5, None]})
+    store.write_text("config/source.toml", "x = 1\n")
+    store.write_bytes("samples/raw.bin", b"\x00\x01")
+    assert store.read_json("manifest.json") == {"run": "r1", "n": [1, 2.5, None]}
+    assert store.read_text("config/source.toml") == "x = 1\n"
+    assert store.read_bytes("samples/raw.bin") == b"\x00\x01"
+    assert store.exists("config/source.toml") and not store.exists("nope.json")
+    assert store.listdir() == ["config", "manifest.json", "samples"]
+    assert store.listdir("missing") == []
+    assert store.uri("config/source.toml") == f"{run_uri}/config/source.toml"
+    # Overwrite replaces the whole file.
+    store.write_json("manifest.json", {"run": "r2"})
+    assert store.read_json("manifest.json") == {"run": "r2"}
+    with pytest.raises(StorageError, match="does not exist"):
+        store.read_json("nope.json")
+
+
+def test_jsonl_append_survives_a_new_store_and_truncates(run_uri: str) -> None:
+    store = ArtifactStore(run_uri)
+    store.append_jsonl("metrics/train.jsonl", [{"step": 1, "loss": 3.0}])
+    store.append_jsonl("metrics/train.jsonl", [{"step": 2, "loss": 2.5}, {"step": 3, "loss": 2.0}])
+    assert [r["step"] for r in store.read_jsonl("metrics/train.jsonl")] == [1, 2, 3]
+
+    # A resumed run (a new process, so a new store) keeps the old rows and adds to them.
+    resumed = ArtifactStore(run_uri)
+    assert resumed.truncate_jsonl_after("metrics/train.jsonl", "step", 2) == 1
+    resumed.append_jsonl("metrics/train.jsonl", [{"step": 3, "loss": 1.9}])
+    rows = ArtifactStore(run_uri).read_jsonl("metrics/train.jsonl")
+    assert rows == [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"step": 3, "loss": 1.9}]
+    assert resumed.truncate_jsonl_after("metrics/absent.jsonl", "step", 0) == 0
+
+
+def test_no_temporary_files_are_left(tmp_path) -> None:
+    store = ArtifactStore(str(tmp_path / "run"))
+    store.check_writable()
+    store.write_json("a.json", {"x": 1})
+    store.write_json("a.json", {"x": 2})
+    store.append_jsonl("events.jsonl", [{"event": "start"}])
+    store.truncate_jsonl_after("events.jsonl", "step", 0)
+    store.write_host_text("log.txt", "hi")
+    assert files_under(str(tmp_path / "run")) == ["a.json", "events.jsonl", "hosts/0/log.txt"]
+
+
+def test_failed_local_write_keeps_the_old_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ArtifactStore(str(tmp_path / "run"))
+    store.write_json("summaries/final.json", {"loss": 1.0})
+
+    def crash(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    # The new bytes reach the temporary file, then the commit step fails.
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(StorageError, match="No space left on device"):
+        store.write_json("summaries/final.json", {"loss": 0.5, "pad": "x" * 100_000})
+    with pytest.raises(StorageError):
+        store.append_jsonl("events.jsonl", [{"event": "x"}])
+    monkeypatch.undo()
+    assert store.read_json("summaries/final.json") == {"loss": 1.0}
+    assert store.read_text("events.jsonl") == ""  # the failed append was cut back
+    assert files_under(str(tmp_path / "run")) == ["events.jsonl", "summaries/final.json"]
+
+
+@pytest.mark.gcs
+def test_failed_gs_write_keeps_the_old_object(gs_run_uri: str, monkeypatch) -> None:
+    store = ArtifactStore(gs_run_uri)
+    store.write_json("summaries/final.json", {"loss": 1.0})
+
+    def crash(*_args, **_kwargs):
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(store.fs, "pipe_file", crash)
+    with pytest.raises(StorageError, match="connection reset"):
+        store.write_json("summaries/final.json", {"loss": 0.5})
+    monkeypatch.undo()
+    assert store.read_json("summaries/final.json") == {"loss": 1.0}
+
+
+def test_non_writer_fails_loudly_but_host_files_work(run_uri: str) -> None:
+    writer = ArtifactStore(run_uri, process_index=0, writer_index=0)
+    other = ArtifactStore(run_uri, process_index=1, writer_index=0)
+    assert writer.is_writer and not other.is_writer
+    writer.write_json("manifest.json", {"ok": True})
+    for call in (
+        lambda: other.write_json("manifest.json", {}),
+        lambda: other.write_text("a.txt", ""),
+        lambda: other.write_bytes("a.bin", b""),
+        lambda: other.append_jsonl("events.jsonl", [{"e": 1}]),
+        lambda: other.truncate_jsonl_after("events.jsonl", "step", 0),
+        lambda: other.delete("manifest.json"),
+    ):
+        with pytest.raises(NotWriterError, match="only the writer"):
+            call()
+    other.write_host_json("diag.json", {"host": 1})
+    other.write_host_text("note.txt", "from 1")
+    assert writer.read_json("hosts/1/diag.json") == {"host": 1}
+    assert other.read_text("hosts/1/note.txt") == "from 1"
+    assert other.read_json("manifest.json") == {"ok": True}  # reads work on every host
+    assert writer.listdir("hosts") == ["1"]
+
+
+def test_check_writable_local_errors(tmp_path) -> None:
+    # Tests run as root, which chmod does not stop: a path under a regular file cannot exist.
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    store = ArtifactStore(str(blocker / "sub" / "run"))
+    with pytest.raises(StorageError, match="cannot create output directory .*run.output_uri"):
+        store.check_writable()
+    ok = ArtifactStore(str(tmp_path / "new" / "run"))
+    ok.check_writable()
+    assert os.listdir(tmp_path / "new" / "run") == []  # the probe is gone
+
+
+@pytest.mark.gcs
+def test_check_writable_missing_bucket(gcs_bucket: str) -> None:
+    store = ArtifactStore("gs://no-such-bucket-x/runs/r1")
+    with pytest.raises(
+        StorageError, match="gs bucket 'no-such-bucket-x' does not exist; create it"
+    ):
+        store.check_writable()
+    ArtifactStore(f"{gcs_bucket}/runs/r1").check_writable()
+
+
+def test_gs_without_gcsfs_is_a_storage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # import gcsfs now raises ImportError
+    with pytest.raises(StorageError, match="gcsfs is not installed"):
+        ArtifactStore("gs://bucket/run").check_writable()
+
+
+@pytest.mark.gcs
+def test_gs_reads_see_writes_from_other_clients(gs_run_uri: str) -> None:
+    a = ArtifactStore(gs_run_uri)
+    a.write_json("x/one.json", {"n": 1})
+    assert a.listdir("x") == ["one.json"]
+    # Another client (Orbax, another host) writes and deletes behind this store's back.
+    other = type(a.fs)(
+        token="anon", endpoint_url=os.environ["STORAGE_EMULATOR_HOST"], skip_instance_cache=True
+    )
+    other.pipe_file(a._path("x/two.json"), b"{}")
+    assert a.listdir("x") == ["one.json", "two.json"]
+    other.rm_file(a._path("x/one.json"))
+    assert not a.exists("x/one.json")

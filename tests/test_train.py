@@ -1,0 +1,244 @@
+"""Training correctness: exact resume, exact accumulation, document masks, signals, eval/sample."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jobspec.load import parse_run_config
+from jobspec.run_config import MeshConfig, ModelConfig
+from runs import ROOT, read_jsonl, run_cli, tiny_config, write_config
+from runtime.data.manifest import load_manifest
+from runtime.data.pipeline import TokenBatches
+from runtime.loss import cross_entropy_sums
+from runtime.model import Decoder
+from runtime.offline import _restore, eval_checkpoint, sample_checkpoint
+from runtime.session import build_model
+from runtime.sharding import batch_sharding, build_mesh
+from runtime.train import EXIT_RESTARTABLE, train
+from runtime.train_step import make_train_step
+
+
+def _train(cfg_dict: dict, **kw):
+    cfg = parse_run_config(cfg_dict)
+    return train(cfg, "# test\n", emit=lambda _line: None, **kw)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics/train.jsonl")]
+
+
+def _final_params(run_dir: Path):
+    _, _, step, parts, _ = _restore(str(run_dir), "latest")
+    return step, jax.tree.leaves(jax.device_get(parts.params))
+
+
+def test_resume_is_exact(tmp_path, prepared):
+    out = str(tmp_path)
+    base = tiny_config(prepared, out, run_id="whole", checkpoint={"every": 5})
+    r = _train(base, resume=False)
+    assert r.status == "completed" and r.summary["steps"] == 20
+
+    split = tiny_config(prepared, out, run_id="split", checkpoint={"every": 5})
+    r1 = _train(split, resume=False, max_steps=10)
+    assert r1.status == "stopped" and r1.summary["steps"] == 10
+    r2 = _train(split, resume=True)
+    assert r2.status == "completed"
+
+    whole, parted = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    assert len(whole) == len(parted) == 20
+    assert whole == parted  # bitwise on CPU
+    s1, p1 = _final_params(tmp_path / "whole")
+    s2, p2 = _final_params(tmp_path / "split")
+    assert s1 == s2 == 20
+    assert all(np.array_equal(a, b) for a, b in zip(p1, p2, strict=True))
+    events = [e["event"] for e in read_jsonl(tmp_path / "split/events.jsonl")]
+    assert events.count("start") == 1 and events.count("resume") == 1 and events[-1] == "finish"
+
+
+def test_raising_target_tokens_continues(tmp_path, prepared):
+    cfg = tiny_config(prepared, str(tmp_path), run_id="grow",
+                      optimizer={"schedule": {"decay_steps": 20}})  # fmt: skip
+    _train(cfg, resume=False)
+    longer = tiny_config(prepared, str(tmp_path), run_id="grow",
+                         optimizer={"schedule": {"decay_steps": 20}},
+                         training={"target_tokens": 16 * 8 * 30})  # fmt: skip
+    r = _train(longer, resume=True)
+    assert r.summary["steps"] == 30
+    rows = read_jsonl(tmp_path / "grow/metrics/train.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, 31))
+
+
+def _one_update(model_cfg: ModelConfig, batches: TokenBatches, mesh):
+    """Parameter change of one step under plain SGD(lr=1): minus the (accumulated) gradient,
+    without Adam's normalisation amplifying rounding in near-zero gradients."""
+    parts = build_model(model_cfg, 0, mesh)
+    tx = optax.sgd(1.0)
+    state = {
+        "params": parts.params,
+        "opt_state": tx.init(parts.params),
+        "step": jnp.zeros((), jnp.int32),
+        "rng": jax.random.PRNGKey(0),
+    }
+    before = jax.device_get(parts.params)
+    step_fn = jax.jit(make_train_step(parts.graphdef, parts.others, tx, optax.constant_schedule(1.0)))
+    b_sh = batch_sharding(mesh, 3, leading=1)
+    shape = (batches.accum, batches.global_batch_size, batches.seq_len)
+    batch = {k: jax.make_array_from_process_local_data(b_sh, v, shape) for k, v in batches.read_step(0).items()}
+    new_state, metrics = step_fn(state, batch)
+    update = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), jax.device_get(new_state["params"]), before)
+    return jax.tree.leaves(update), jax.device_get(metrics)
+
+
+def test_gradient_accumulation_is_exact(prepared):
+    manifest = load_manifest(prepared)
+    model_cfg = ModelConfig(vocab_size=260, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                            intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    mesh = build_mesh(MeshConfig())
+    common = dict(split="train", seq_len=16, order="document_buffer", seed=3)
+    big = TokenBatches(manifest, global_batch_size=8, accum=1, **common)
+    small = TokenBatches(manifest, global_batch_size=2, accum=4, **common)
+    assert np.array_equal(big.record_ids(0), small.record_ids(0))  # the same rows, split 1x8 vs 4x2
+    u_big, m_big = _one_update(model_cfg, big, mesh)
+    u_small, m_small = _one_update(model_cfg, small, mesh)
+    assert m_big["token_count"] == m_small["token_count"]
+    np.testing.assert_allclose(m_big["loss"], m_small["loss"], rtol=1e-6)
+    for a, b in zip(u_big, u_small, strict=True):
+        scale = np.abs(a).max()
+        assert scale > 0
+        # fp32 rounding of the gradients, plus that of new - old for parameters near 1.0 (norms).
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale + 4e-7)
+
+
+def test_document_masks_isolate_documents(prepared):
+    """A packed row's loss equals the sum of its documents' losses computed alone, and masked
+    positions (the synthetic join into the next document) contribute nothing."""
+    manifest = load_manifest(prepared)
+    batches = TokenBatches(manifest, "train", seq_len=48, global_batch_size=4, order="document_buffer", seed=1)
+    cfg = ModelConfig(vocab_size=260, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    model = Decoder(cfg, rngs=nnx.Rngs(params=0))
+    found = 0
+    for step in range(40):
+        b = {k: v[0] for k, v in batches.read_step(step).items()}  # [rows, T]
+        for r in range(b["inputs"].shape[0]):
+            seg = b["segment_ids"][r]
+            if len(np.unique(seg)) < 2:
+                continue
+            found += 1
+            row = {k: jnp.asarray(v[r : r + 1]) for k, v in b.items()}
+            logits = model(row["inputs"], row["positions"], row["segment_ids"])
+            total, count = cross_entropy_sums(logits, row["targets"], row["loss_mask"])
+            parts_sum, parts_count = 0.0, 0.0
+            for s in np.unique(seg):
+                idx = np.nonzero(seg == s)[0]
+                alone = model(row["inputs"][:, idx], row["positions"][:, idx])  # no other document
+                ls, c = cross_entropy_sums(alone, row["targets"][:, idx], row["loss_mask"][:, idx])
+                parts_sum, parts_count = parts_sum + float(ls), parts_count + float(c)
+            np.testing.assert_allclose(float(total), parts_sum, rtol=1e-5)
+            assert float(count) == parts_count
+            # The join targets are masked: any token there leaves the loss unchanged.
+            masked = np.asarray(row["loss_mask"][0]) == 0
+            assert masked.any()
+            scrambled = np.asarray(row["targets"]).copy()
+            scrambled[0, masked] = (scrambled[0, masked] + 17) % 256
+            again, _ = cross_entropy_sums(logits, jnp.asarray(scrambled), row["loss_mask"])
+            assert float(again) == float(total)
+        if found >= 3:
+            break
+    assert found >= 3, "the data should pack several documents into some rows"
+
+
+def test_eval_and_sample_from_checkpoint(tmp_path, prepared):
+    cfg = tiny_config(prepared, str(tmp_path), run_id="inf", evals=[{"name": "val", "batches": 2}])
+    r = _train(cfg, resume=False)
+    assert r.summary["best_eval"]["name"] == "val"
+    run_dir = str(tmp_path / "inf")
+    ev = eval_checkpoint(run_dir, "best")
+    assert ev["step"] == 20 and ev["results"][0]["token_count"] > 0
+    assert Path(ev["path"]).is_file()
+    s1 = sample_checkpoint(run_dir, "latest", [72, 101], max_new_tokens=8, temperature=1.0, top_k=1, seed=0)
+    s2 = sample_checkpoint(run_dir, "20", [72, 101], max_new_tokens=8, temperature=1.0, top_k=1, seed=5)
+    assert s1["new_ids"] == s2["new_ids"] and len(s1["new_ids"]) <= 8
+    assert json.loads(Path(s1["path"]).read_text())["new_ids"] == s1["new_ids"]
+
+
+def test_sigterm_checkpoints_and_resumes(tmp_path, prepared):
+    cfg = tiny_config(prepared, str(tmp_path), run_id="sig",
+                      training={"target_tokens": 16 * 8 * 100000})  # fmt: skip
+    path = write_config(tmp_path / "sig.toml", cfg)
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "local", str(path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics = tmp_path / "sig/metrics/train.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_RESTARTABLE, err
+    assert "SIGTERM received" in out and "Traceback" not in err
+    events = read_jsonl(tmp_path / "sig/events.jsonl")
+    assert events[-1]["event"] == "interrupted" and events[-1]["signal"] == "SIGTERM"
+    index = json.loads((tmp_path / "sig/checkpoints/index.json").read_text())
+    stopped = json.loads((tmp_path / "sig/summaries/final.json").read_text())["steps"]
+    assert index["latest"] == stopped > 0
+    manifest = json.loads((tmp_path / "sig/manifest.json").read_text())
+    assert manifest["status"] == "interrupted"
+    # Resume continues from the agreed step; a short target makes it finish.
+    res = run_cli("local", str(path), "--resume", "--max-steps", "3")
+    assert res.returncode == 0, res.stderr
+    assert f"from checkpoint {stopped}" in res.stdout
+    rows = read_jsonl(metrics)
+    assert [r["step"] for r in rows] == list(range(1, stopped + 4))
+
+
+def test_existing_run_is_not_overwritten(tmp_path, prepared):
+    cfg = tiny_config(prepared, str(tmp_path), run_id="keep", training={"target_tokens": 16 * 8 * 2})
+    _train(cfg, resume=False)
+    before = (tmp_path / "keep/metrics/train.jsonl").read_text()
+    path = write_config(tmp_path / "keep.toml", cfg)
+    res = run_cli("local", str(path))
+    assert res.returncode == 2 and "pass --resume" in res.stderr and "Traceback" not in res.stderr
+    assert (tmp_path / "keep/metrics/train.jsonl").read_text() == before
+
+
+def test_cli_inspect_config_and_preflight(tmp_path, prepared):
+    cfg = tiny_config(prepared, str(tmp_path), run_id="cli", training={"target_tokens": 16 * 8 * 4})
+    path = write_config(tmp_path / "cli.toml", cfg)
+    check = run_cli("config", "check", str(path), "--json")
+    assert check.returncode == 0, check.stderr
+    info = json.loads(check.stdout)
+    assert info["tokens_per_step"] == 16 * 8 and info["total_steps"] == 4
+    pre = run_cli("preflight", str(path), "--json")
+    assert pre.returncode == 0, pre.stdout + pre.stderr
+    assert {c["name"] for c in json.loads(pre.stdout)["checks"]} >= {"devices", "mesh", "data", "output", "memory"}
+    assert run_cli("local", str(path)).returncode == 0
+    ins = run_cli("inspect", str(tmp_path / "cli"), "--json")
+    assert ins.returncode == 0, ins.stderr
+    rep = json.loads(ins.stdout)
+    assert rep["status"] == "completed" and rep["steps"] == 4 and rep["latest_checkpoint"] == 4
+    text = run_cli("inspect", str(tmp_path / "cli"))
+    assert "completed" in text.stdout
+
+
+@pytest.mark.parametrize("remat", ["block", "full"])
+def test_remat_trains_the_same(tmp_path, prepared, remat):
+    a = tiny_config(prepared, str(tmp_path), run_id="r-none", training={"target_tokens": 16 * 8 * 3})
+    b = tiny_config(prepared, str(tmp_path), run_id=f"r-{remat}", training={"target_tokens": 16 * 8 * 3},
+                    model={"remat": remat})  # fmt: skip
+    _train(a, resume=False)
+    _train(b, resume=False)
+    np.testing.assert_allclose(_losses(tmp_path / "r-none"), _losses(tmp_path / f"r-{remat}"), rtol=1e-5)

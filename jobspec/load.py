@@ -36,7 +36,9 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
             return None
         ann = field.annotation
         args = getattr(ann, "__args__", ()) or ()
-        nxt = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        nxt = next(
+            (a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None
+        )
         if nxt is None:
             return None
         cur = nxt
@@ -49,7 +51,7 @@ def describe_validation_error(err: ValidationError, model: type[BaseModel], sour
     errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     loc = tuple(first["loc"])
-    path = _loc(loc) or "(top level)"
+    path = _loc(loc)
     if first["type"] == "extra_forbidden":
         owner = _model_at(model, loc)
         allowed = sorted(f.alias or n for n, f in owner.model_fields.items()) if owner else []
@@ -65,7 +67,8 @@ def describe_validation_error(err: ValidationError, model: type[BaseModel], sour
     shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
     more = len(errors) - 1
     tail = f" [and {more} more problem{'s' if more > 1 else ''}]" if more else ""
-    return f"{source}: {path}: {msg}{shown}{tail}"
+    where = f"{path}: " if loc else ""  # cross-field checks name their fields in the message
+    return f"{source}: {where}{msg}{shown}{tail}"
 
 
 def parse_run_config(data: dict, source: str = "run config") -> RunConfig:

@@ -26,7 +26,9 @@ class RunSection(Section):
     """Identity and destination of the run."""
 
     id: str = Field(description="Run id, a DNS-1123 label (lowercase letters, digits, '-').")
-    seed: NonNegativeInt = Field(0, description="Seed for parameter init, data order and dropout-free RNG.")
+    seed: NonNegativeInt = Field(
+        0, description="Seed for parameter init, data order and dropout-free RNG."
+    )
     output_uri: str = Field(
         "runs",
         description="Where `<id>/` with artifacts and checkpoints goes: a local path or gs://bucket/prefix.",
@@ -45,21 +47,33 @@ class RunSection(Section):
 class ModelConfig(Section):
     """Qwen3-family decoder sizes. Names follow the Hugging Face config keys."""
 
-    family: Literal["qwen3"] = "qwen3"
-    vocab_size: PositiveInt = Field(description="Embedding rows; must exceed every token id in the data.")
-    hidden_size: PositiveInt
-    num_layers: PositiveInt
-    num_heads: PositiveInt
-    num_kv_heads: PositiveInt
+    family: Literal["qwen3"] = Field("qwen3", description="Architecture family.")
+    vocab_size: PositiveInt = Field(
+        description="Embedding rows; must exceed every token id in the data."
+    )
+    hidden_size: PositiveInt = Field(description="Residual stream width.")
+    num_layers: PositiveInt = Field(description="Decoder blocks.")
+    num_heads: PositiveInt = Field(description="Query heads.")
+    num_kv_heads: PositiveInt = Field(
+        description="Key/value heads (grouped-query attention); divides num_heads."
+    )
     head_dim: PositiveInt | None = Field(None, description="Defaults to hidden_size / num_heads.")
     intermediate_size: PositiveInt = Field(description="SwiGLU hidden width.")
-    max_position_embeddings: PositiveInt = 2048
-    rope_theta: PositiveFloat = 1_000_000.0
-    rms_norm_eps: PositiveFloat = 1e-6
-    tie_word_embeddings: bool = True
-    init_std: PositiveFloat = 0.02
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    max_position_embeddings: PositiveInt = Field(
+        2048, description="Longest sequence the model accepts."
+    )
+    rope_theta: PositiveFloat = Field(1_000_000.0, description="RoPE base frequency.")
+    rms_norm_eps: PositiveFloat = Field(1e-6, description="RMSNorm epsilon.")
+    tie_word_embeddings: bool = Field(True, description="LM head shares the embedding matrix.")
+    init_std: PositiveFloat = Field(
+        0.02, description="Std of the normal initialiser for embeddings and kernels."
+    )
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Stored parameter dtype."
+    )
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Matmul/activation dtype; logits and the loss are always float32."
+    )
     remat: Literal["none", "block", "full"] = Field(
         "none",
         description="none: keep all activations; block: per-block remat keeping matmul outputs; full: per-block remat keeping only block inputs.",
@@ -86,8 +100,10 @@ class ModelConfig(Section):
 class ScheduleConfig(Section):
     """Learning-rate schedule: linear warmup, then decay to min_lr_ratio × lr."""
 
-    kind: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: NonNegativeInt = 0
+    kind: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Shape after warmup."
+    )
+    warmup_steps: NonNegativeInt = Field(0, description="Linear warmup from 0 to lr.")
     decay_steps: PositiveInt | None = Field(
         None,
         description=(
@@ -95,19 +111,25 @@ class ScheduleConfig(Section):
             "keeps the value its checkpoint recorded, so raising target_tokens continues at the floor."
         ),
     )
-    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.1, description="Final lr as a fraction of lr."
+    )
 
 
 class OptimizerConfig(Section):
     """AdamW with a schedule and global-norm clipping."""
 
-    name: Literal["adamw"] = "adamw"
-    lr: PositiveFloat = 3e-4
-    b1: Annotated[float, Field(ge=0, lt=1)] = 0.9
-    b2: Annotated[float, Field(ge=0, lt=1)] = 0.95
-    eps: PositiveFloat = 1e-8
-    weight_decay: Annotated[float, Field(ge=0)] = 0.1
-    grad_clip_norm: PositiveFloat | None = Field(1.0, description="Global-norm clip; unset to disable.")
+    name: Literal["adamw"] = Field("adamw", description="Optimizer.")
+    lr: PositiveFloat = Field(3e-4, description="Peak learning rate.")
+    b1: Annotated[float, Field(ge=0, lt=1)] = Field(0.9, description="Adam first-moment decay.")
+    b2: Annotated[float, Field(ge=0, lt=1)] = Field(0.95, description="Adam second-moment decay.")
+    eps: PositiveFloat = Field(1e-8, description="Adam epsilon.")
+    weight_decay: Annotated[float, Field(ge=0)] = Field(
+        0.1, description="Decoupled weight decay on matrices (norm scales are not decayed)."
+    )
+    grad_clip_norm: PositiveFloat | None = Field(
+        1.0, description="Global-norm clip; unset to disable."
+    )
     schedule: ScheduleConfig = ScheduleConfig()
 
 
@@ -119,27 +141,50 @@ class PrepareConfig(Section):
         description="Globs of text/JSONL files; '{stdlib}' expands to this Python's standard-library folder.",
     )
     tokenizer: str = Field("byte", description="'byte' or a path to a local tokenizer.json.")
-    val_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.05
-    max_bytes: PositiveInt | None = Field(None, description="Stop reading inputs after this many bytes.")
+    val_fraction: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.05, description="Share of documents held out as the validation split."
+    )
+    max_bytes: PositiveInt | None = Field(
+        None, description="Stop reading inputs after this many bytes."
+    )
 
 
 class DataConfig(Section):
     manifest: str = Field(description="Path or URI of a prepared-token manifest.json.")
     tokenizer: str | None = Field(
-        None, description="Expected tokenizer id ('byte' or tokenizer.json path); must match the manifest's."
+        None,
+        description="Expected tokenizer id ('byte' or tokenizer.json path); must match the manifest's.",
     )
-    order: Literal["sequential", "shuffle", "document_buffer"] = "shuffle"
-    prefetch: NonNegativeInt = Field(2, description="Global batches the loader prepares ahead (threads).")
-    prepare: PrepareConfig | None = None
+    order: Literal["sequential", "shuffle", "document_buffer"] = Field(
+        "shuffle",
+        description=(
+            "sequential: fixed windows in stream order; shuffle: the same windows permuted per epoch; "
+            "document_buffer: documents permuted and packed, joins masked out of the loss."
+        ),
+    )
+    prefetch: NonNegativeInt = Field(
+        2, description="Global batches the loader prepares ahead (threads)."
+    )
+    prepare: PrepareConfig | None = Field(
+        None, description="Make the manifest on first use if absent."
+    )
 
 
 class TrainingConfig(Section):
-    seq_len: PositiveInt
+    seq_len: PositiveInt = Field(description="Tokens per training row.")
     global_batch_size: PositiveInt = Field(description="Sequences per microbatch across all hosts.")
-    gradient_accumulation_steps: PositiveInt = 1
-    target_tokens: PositiveInt = Field(description="Train until this many tokens have been consumed.")
-    log_every: PositiveInt = 10
-    eval_every: NonNegativeInt = Field(0, description="Steps between evals; 0 runs evals only at the end.")
+    gradient_accumulation_steps: PositiveInt = Field(
+        1, description="Microbatches per optimizer step."
+    )
+    target_tokens: PositiveInt = Field(
+        description="Train until this many tokens have been consumed."
+    )
+    log_every: PositiveInt = Field(
+        10, description="Steps between live lines and host syncs (every step gets a metrics row)."
+    )
+    eval_every: NonNegativeInt = Field(
+        0, description="Steps between evals; 0 runs evals only at the end."
+    )
 
     @property
     def tokens_per_step(self) -> int:
@@ -153,9 +198,13 @@ class TrainingConfig(Section):
 class MeshConfig(Section):
     """Mesh axis sizes; their product must equal the global device count."""
 
-    data: PositiveInt = 1
-    fsdp: PositiveInt = 1
-    tensor: PositiveInt = 1
+    data: PositiveInt = Field(1, description="Pure data-parallel replicas.")
+    fsdp: PositiveInt = Field(
+        1, description="Devices parameters and optimizer state are sharded over."
+    )
+    tensor: PositiveInt = Field(
+        1, description="Tensor-parallel devices (heads, MLP hidden, vocab)."
+    )
 
     @property
     def size(self) -> int:
@@ -163,23 +212,31 @@ class MeshConfig(Section):
 
 
 class EvalConfig(Section):
-    name: str = Field(pattern=r"^[a-z0-9_-]+$")
-    split: Literal["validation", "train"] = "validation"
-    batches: PositiveInt = Field(4, description="Global batches of global_batch_size rows per eval.")
+    name: str = Field(
+        pattern=r"^[a-z0-9_-]+$",
+        description="Row label in metrics/eval.jsonl; the first eval picks `best`.",
+    )
+    split: Literal["validation", "train"] = Field("validation", description="Data split evaluated.")
+    batches: PositiveInt = Field(
+        4, description="Global batches of global_batch_size rows per eval."
+    )
 
 
 class CheckpointConfig(Section):
     every: NonNegativeInt = Field(0, description="Save every N steps; 0 saves only at the end.")
     keep: PositiveInt = Field(3, description="Most recent checkpoints kept (the best is kept too).")
-    async_: bool = Field(True, alias="async", description="Save in the background while training continues.")
-    on_signal: bool = Field(True, description="On SIGTERM/SIGINT, save a final checkpoint before exiting.")
+    async_: bool = Field(
+        True, alias="async", description="Save in the background while training continues."
+    )
+    on_signal: bool = Field(
+        True, description="On SIGTERM/SIGINT, save a final checkpoint before exiting."
+    )
 
 
 class ArtifactsConfig(Section):
     provenance: Literal["ids", "hash"] = Field(
         "ids", description="Per train row: the record ids that fed the step, or only their hash."
     )
-    flush_every: PositiveInt = Field(1, description="Log steps between rewrites of metrics files.")
 
 
 class RunConfig(Section):

@@ -13,28 +13,11 @@ is directly comparable with theirs; a causal-aware count would be 6 * L * T * H 
 from __future__ import annotations
 
 from jobspec.run_config import ModelConfig
-
-
-def parameter_counts(m: ModelConfig) -> dict[str, int]:
-    d = m.resolved_head_dim
-    attn = m.hidden_size * (m.num_heads * d) * 2 + m.hidden_size * (m.num_kv_heads * d) * 2
-    mlp = 3 * m.hidden_size * m.intermediate_size
-    norms = 2 * m.hidden_size + 2 * d
-    per_layer = attn + mlp + norms
-    embedding = m.vocab_size * m.hidden_size
-    head = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size
-    total = embedding + m.num_layers * per_layer + m.hidden_size + head
-    return {
-        "total": total,
-        "embedding": embedding,
-        "non_embedding": total - embedding,
-        "per_layer": per_layer,
-    }
+from runtime.model import param_count as parameter_counts
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
     counts = parameter_counts(m)
-    head = m.vocab_size * m.hidden_size
-    n = counts["total"] - counts["embedding"] + (head if m.tie_word_embeddings else 0)
+    n = counts["non_embedding"] + m.vocab_size * m.hidden_size  # + the head matmul, tied or not
     attention = 12 * m.num_layers * seq_len * m.num_heads * m.resolved_head_dim
     return {"params_counted": n, "dense": 6 * n, "attention": attention, "total": 6 * n + attention}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -14,6 +16,10 @@ from collections.abc import Iterator
 import pytest
 
 GCS_TEST_BUCKET = "jaxjob-test"
+
+# gcsfs reads this once, at import: if any test imports gcsfs before the emulator fixture runs,
+# a later emulator test would otherwise wait 60 s on a gRPC probe the emulator never answers.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 def free_port() -> int:
@@ -29,9 +35,7 @@ def _emulator_command(port: int) -> list[str] | None:
     exe = shutil.which("gcp-storage-emulator")
     if exe:
         return [exe, *args]
-    try:
-        import gcp_storage_emulator  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("gcp_storage_emulator") is None:
         return None
     return [sys.executable, "-m", "gcp_storage_emulator", *args]
 
@@ -56,9 +60,8 @@ def _wait_until_up(proc: subprocess.Popen, url: str, timeout_s: float = 30.0) ->
 def gcs_bucket() -> Iterator[str]:
     """gs://jaxjob-test on an in-memory emulator; every GCS client in this process and in its
     subprocesses is pointed at it through the environment."""
-    try:
-        import gcsfs  # noqa: F401
-    except ImportError:
+    # find_spec, not import: gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT once, at import time.
+    if importlib.util.find_spec("gcsfs") is None:
         pytest.skip("gcsfs is not installed (pip install 'jaxjob[dev]')")
     port = free_port()
     cmd = _emulator_command(port)

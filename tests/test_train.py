@@ -18,7 +18,6 @@ from flax import nnx
 
 from jobspec.load import parse_run_config
 from jobspec.run_config import MeshConfig, ModelConfig
-from runs import ROOT, read_jsonl, run_cli, tiny_config, write_config
 from runtime.data.manifest import load_manifest
 from runtime.data.pipeline import TokenBatches
 from runtime.loss import cross_entropy_sums
@@ -28,6 +27,8 @@ from runtime.session import build_model
 from runtime.sharding import batch_sharding, build_mesh
 from runtime.train import EXIT_RESTARTABLE, train
 from runtime.train_step import make_train_step
+
+from runs import ROOT, read_jsonl, run_cli, tiny_config, write_config
 
 
 def _train(cfg_dict: dict, **kw):

@@ -1,0 +1,234 @@
+"""The checkpoint service: Orbax round-trips, the committed-only index, retention and resolve."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jobspec.errors import CheckpointError
+from runtime.checkpoint import INDEX, CheckpointService, load_index
+from runtime.store import ArtifactStore
+
+FINGERPRINT = {"model.hidden_size": 8, "data.manifest": "abc"}
+
+
+def make_state(scale: float = 1.0):
+    mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    sharded = NamedSharding(mesh, PartitionSpec("fsdp"))
+    params = {
+        "embed": jax.device_put(jnp.arange(32, dtype=jnp.float32).reshape(4, 8) * scale, sharded),
+        "norm": jnp.ones((8,), jnp.bfloat16) * scale,
+    }
+    return params, optax.adamw(1e-3).init(params)
+
+
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def meta(step: int) -> dict:
+    return {"step": step, "tokens": step * 64, "rng": [0, step], "fingerprint": FINGERPRINT}
+
+
+def save(svc: CheckpointService, step: int, val_loss: float | None = None, **kw) -> bool:
+    params, opt_state = make_state(float(step))
+    metrics = None if val_loss is None else {"val_loss": val_loss}
+    return svc.save(
+        step, params=params, opt_state=opt_state, meta=meta(step), metrics=metrics, **kw
+    )
+
+
+def disk_steps(store: ArtifactStore) -> list[int]:
+    return sorted(int(n) for n in store.listdir("checkpoints") if n.isdigit())
+
+
+def test_save_and_restore_round_trip(run_uri: str) -> None:
+    store = ArtifactStore(run_uri)
+    svc = CheckpointService(store, keep=3, async_save=True)
+    assert save(svc, 5) and save(svc, 10)
+    svc.wait()
+    assert svc.steps() == [5, 10]
+
+    params, opt_state = make_state(10.0)
+    got_params, got_opt, got_meta = svc.restore(
+        10, params_target=abstract(params), opt_state_target=abstract(opt_state)
+    )
+    assert got_meta == meta(10)
+    assert jax.tree.structure(got_opt) == jax.tree.structure(opt_state)
+    for want, got in zip(
+        jax.tree.leaves((params, opt_state)), jax.tree.leaves((got_params, got_opt)), strict=True
+    ):
+        assert got.dtype == want.dtype and got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    # The index on disk says the same, and is readable without Orbax.
+    index = load_index(ArtifactStore(run_uri))
+    assert [e["step"] for e in index["checkpoints"]] == [5, 10]
+    assert index["latest"] == 10 and index["checkpoints"][1]["fingerprint"] == FINGERPRINT
+    assert svc.fingerprint(5) == FINGERPRINT
+    svc.close()
+
+
+def test_params_only_restore_never_reads_optimizer_state(tmp_path) -> None:
+    store = ArtifactStore(str(tmp_path / "run"))
+    svc = CheckpointService(store, keep=2, async_save=True)
+    save(svc, 3)
+    svc.wait()
+    shutil.rmtree(tmp_path / "run/checkpoints/3/opt_state")  # would fail any read of it
+    params, _ = make_state(3.0)
+    got_params, got_opt, got_meta = svc.restore(3, params_target=abstract(params))
+    assert got_opt is None and got_meta["step"] == 3
+    np.testing.assert_array_equal(np.asarray(got_params["embed"]), np.asarray(params["embed"]))
+    svc.close()
+
+
+def test_async_step_enters_the_index_only_once_committed(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ArtifactStore(str(tmp_path / "run"))
+    svc = CheckpointService(store, keep=2, async_save=True)
+    save(svc, 1)
+    svc.wait()
+    # Orbax still writing step 2: it is pending, not listed, not latest.
+    monkeypatch.setattr(svc._mgr, "is_saving_in_progress", lambda: True)
+    save(svc, 2)
+    assert svc.poll() is None
+    assert svc.read_index()["latest"] == 1 and load_index(store)["latest"] == 1
+    monkeypatch.undo()
+    svc._mgr.wait_until_finished()
+    assert svc.poll() == 2
+    assert load_index(store)["latest"] == 2
+    svc.close()
+
+
+def test_save_that_did_not_commit_fails_loudly_and_is_not_indexed(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ArtifactStore(str(tmp_path / "run"))
+    svc = CheckpointService(store, keep=2, async_save=False)
+    save(svc, 1)
+    monkeypatch.setattr(svc, "_committed", lambda step: False)  # Orbax finished, nothing committed
+    with pytest.raises(CheckpointError, match="checkpoint 2 .* did not commit"):
+        save(svc, 2)
+    assert svc.steps() == [1] and load_index(store)["latest"] == 1
+
+
+def test_latest_best_and_retention(run_uri: str) -> None:
+    store = ArtifactStore(run_uri)
+    svc = CheckpointService(store, keep=2, async_save=True)
+    for step, loss in [(10, 3.0), (20, 1.0), (30, 2.0), (40, 2.5), (50, 2.7)]:
+        assert save(svc, step, loss)
+    svc.wait()
+    # The two most recent plus the best; index and disk agree.
+    assert svc.steps() == [20, 40, 50] == disk_steps(store)
+    index = load_index(store)
+    assert index["latest"] == 50 and index["best"] == 20
+    assert index["checkpoints"][0]["metrics"] == {"val_loss": 1.0}
+    assert svc.resolve("latest") == 50 and svc.resolve("best") == 20
+    assert svc.resolve("40") == 40 and svc.resolve(40) == 40
+    svc.close()
+
+
+def test_resolve_errors(tmp_path) -> None:
+    store = ArtifactStore(str(tmp_path / "run"))
+    svc = CheckpointService(store, keep=2, async_save=False)
+    with pytest.raises(
+        CheckpointError, match=r"no checkpoint under .*; run without --resume first"
+    ):
+        svc.resolve("latest")
+    save(svc, 4)
+    save(svc, 8)
+    with pytest.raises(
+        CheckpointError, match="step 6 is not a committed checkpoint .*available steps: 4, 8"
+    ):
+        svc.resolve("6")
+    with pytest.raises(CheckpointError, match="records val_loss"):
+        svc.resolve("best")
+    with pytest.raises(CheckpointError, match="not 'latest', 'best' or a step number"):
+        svc.resolve("newest")
+    with pytest.raises(CheckpointError, match="step 6 is not a committed checkpoint"):
+        svc.restore(6, params_target=abstract(make_state()[0]))
+
+
+def test_repeated_and_backward_saves(tmp_path) -> None:
+    store = ArtifactStore(str(tmp_path / "run"))
+    svc = CheckpointService(store, keep=3, async_save=True)
+    assert save(svc, 5) and save(svc, 10)
+    assert not save(svc, 10)  # a final save right after the periodic one is a no-op
+    assert save(svc, 10, force=True)  # force replaces it
+    with pytest.raises(CheckpointError, match="checkpoint 10 is newer"):
+        save(svc, 7)
+    # A run resumed from step 5 branches off there.
+    assert svc.discard_after(5) == [10]
+    assert save(svc, 7)
+    svc.wait()
+    assert svc.steps() == [5, 7] == disk_steps(store)
+    svc.close()
+
+
+def test_local_crash_mid_save_never_becomes_latest(tmp_path) -> None:
+    root = tmp_path / "run"
+    store = ArtifactStore(str(root))
+    svc = CheckpointService(store, keep=3, async_save=True)
+    save(svc, 1)
+    save(svc, 2)
+    svc.close()
+    # A crash while writing step 3: Orbax's temporary directory, never renamed.
+    shutil.copytree(root / "checkpoints/2", root / "checkpoints/3.orbax-checkpoint-tmp")
+    # And a crash after step 2 committed but before the index was rewritten.
+    store.write_json(INDEX, {"checkpoints": load_index(store)["checkpoints"][:1], "latest": 1})
+
+    svc = CheckpointService(ArtifactStore(str(root)), keep=3, async_save=True)
+    assert svc.steps() == [1, 2] and svc.resolve("latest") == 2  # 2 re-indexed from disk
+    assert load_index(store)["latest"] == 2
+    assert save(svc, 3)  # the leftover is cleaned up and the step saved for real
+    svc.wait()
+    assert sorted(os.listdir(root / "checkpoints")) == ["1", "2", "3", "index.json"]
+    svc.close()
+
+
+@pytest.mark.gcs
+def test_gs_step_without_commit_file_never_becomes_latest(gs_run_uri: str) -> None:
+    store = ArtifactStore(gs_run_uri)
+    svc = CheckpointService(store, keep=3, async_save=True)
+    save(svc, 1)
+    save(svc, 2)
+    svc.close()
+    # On gs:// a step is written in place; without commit_success.txt it is a crashed save.
+    store.fs.rm_file(store._path("checkpoints/2/commit_success.txt"))
+    # An index entry whose step vanished is dropped too.
+    doc = load_index(store)
+    doc["checkpoints"].append({**doc["checkpoints"][0], "step": 9})
+    store.write_json(INDEX, {**doc, "latest": 9})
+
+    svc = CheckpointService(ArtifactStore(gs_run_uri), keep=3, async_save=True)
+    assert svc.steps() == [1] and svc.resolve("latest") == 1
+    assert load_index(store)["latest"] == 1
+    assert save(svc, 2)  # the crashed step's objects are cleared and it is saved again
+    svc.wait()
+    assert store.exists("checkpoints/2/commit_success.txt") and svc.resolve("latest") == 2
+    svc.close()
+
+
+def test_read_only_service_leaves_a_live_save_alone(tmp_path) -> None:
+    root = tmp_path / "run"
+    svc = CheckpointService(ArtifactStore(str(root)), keep=2, async_save=False)
+    save(svc, 1)
+    svc.close()
+    live = root / "checkpoints/2.orbax-checkpoint-tmp"
+    shutil.copytree(root / "checkpoints/1", live)  # another process is writing step 2
+
+    reader = CheckpointService(ArtifactStore(str(root)), keep=2, read_only=True)
+    params, _ = make_state(1.0)
+    assert reader.restore(reader.resolve("latest"), params_target=abstract(params))[2]["step"] == 1
+    with pytest.raises(RuntimeError, match="read-only"):
+        save(reader, 3)
+    reader.close()
+    assert live.exists()

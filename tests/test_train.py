@@ -233,6 +233,16 @@ def test_cli_inspect_config_and_preflight(tmp_path, prepared):
     assert rep["status"] == "completed" and rep["steps"] == 4 and rep["latest_checkpoint"] == 4
     text = run_cli("inspect", str(tmp_path / "cli"))
     assert "completed" in text.stdout
+    ev = run_cli("eval", "checkpoint", str(tmp_path / "cli"), "--checkpoint", "best", "--json")
+    assert ev.returncode == 0, ev.stderr
+    assert json.loads(ev.stdout)["step"] == 4
+    args = ["sample", "checkpoint", str(tmp_path / "cli"), "--checkpoint", "latest", "--prompt-ids", "72,101",
+            "--max-new-tokens", "5", "--top-k", "1", "--json"]  # fmt: skip
+    a, b = run_cli(*args), run_cli(*args)
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["new_ids"] == json.loads(b.stdout)["new_ids"]
+    bad = run_cli("sample", "checkpoint", str(tmp_path / "cli"), "--prompt-ids", "1,x")
+    assert bad.returncode == 2 and "--prompt-ids" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.parametrize("remat", ["block", "full"])

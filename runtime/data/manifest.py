@@ -1,0 +1,323 @@
+"""manifest.json: what a prepared-token directory holds, and the checks before training reads it.
+
+Public API:
+    Manifest, TokenizerInfo, SplitInfo, ShardInfo     pydantic models of manifest.json (extra="forbid")
+    load_manifest(uri: str) -> Manifest               parse + structural checks (files exist, sizes)
+    check_manifest(uri: str, deep: bool) -> dict      load_manifest, and with deep=True re-hash every
+                                                      file and re-scan token ids; returns a summary
+    write_manifest(manifest: Manifest, uri: str)      one atomic write (tmp + rename, or one put)
+    compute_fingerprint(manifest) -> str              hash over tokenizer id, dtype and file hashes
+    token_dtype_for(vocab_size) -> str                "uint16" if every id fits, else "uint32"
+
+Directory layout (all paths in the manifest are relative to its folder):
+    manifest.json                 written last, so a half-prepared folder has none
+    train-00000.bin …             raw little-endian token ids (token_dtype), split stream in order
+    train-offsets.bin             little-endian int64, documents+1 entries: the start offset of
+                                  every document in the split's concatenated stream, then its total
+    validation-00000.bin …, validation-offsets.bin   the same for the validation split
+Shards are cut by token count, not at document ends: a document may span two shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from jobspec.errors import DataError
+from runtime.storage import is_remote, join, url_to_fs
+
+FORMAT = "jaxjob.tokens"
+VERSION = 1
+OFFSET_DTYPE = np.dtype("<i8")
+HASH_CHUNK = 8 << 20
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TokenizerInfo(_Model):
+    id: str = Field(description="'byte' or 'hf:<sha256-16 of tokenizer.json>'.")
+    kind: Literal["byte", "hf"]
+    vocab_size: int = Field(gt=0)
+    eos_id: int = Field(ge=0)
+    source: str | None = Field(
+        None, description="The tokenizer spec given to prepare (informational)."
+    )
+
+
+class ShardInfo(_Model):
+    path: str = Field(description="File name relative to the manifest's folder.")
+    tokens: int = Field(gt=0)
+    sha256: str
+
+
+class SplitInfo(_Model):
+    tokens: int = Field(ge=0)
+    documents: int = Field(ge=0)
+    max_token_id: int = Field(ge=-1, description="-1 for an empty split.")
+    shards: list[ShardInfo]
+    offsets: str = Field(description="int64 document start offsets (documents+1 entries).")
+    offsets_sha256: str
+
+
+class Splits(_Model):
+    train: SplitInfo
+    validation: SplitInfo
+
+
+class SourceInfo(_Model):
+    inputs: list[str]
+    files: int
+    val_fraction: float
+    max_bytes: int | None
+    shard_tokens: int
+
+
+class Manifest(_Model):
+    format: Literal["jaxjob.tokens"] = FORMAT
+    version: Literal[1] = VERSION
+    tokenizer: TokenizerInfo
+    token_dtype: Literal["uint16", "uint32"]
+    splits: Splits
+    total_tokens: int = Field(ge=0)
+    total_documents: int = Field(ge=0)
+    max_token_id: int = Field(ge=-1)
+    fingerprint: str
+    source: SourceInfo | None = None
+
+    # Folder the relative paths resolve against; set by load_manifest / prepare.
+    _root: str | None = PrivateAttr(None)
+
+    @property
+    def root(self) -> str:
+        if self._root is None:
+            raise DataError("this manifest was not loaded from a folder; use load_manifest(uri)")
+        return self._root
+
+    def with_root(self, root: str) -> Manifest:
+        self._root = root
+        return self
+
+    def split(self, name: str) -> SplitInfo:
+        if name not in ("train", "validation"):
+            raise DataError(f"data split {name!r} does not exist; use 'train' or 'validation'")
+        return getattr(self.splits, name)
+
+    def uri_of(self, rel: str) -> str:
+        return join(self.root, rel)
+
+
+def token_dtype_for(vocab_size: int) -> Literal["uint16", "uint32"]:
+    return "uint16" if vocab_size <= 65536 else "uint32"
+
+
+def compute_fingerprint(m: Manifest) -> str:
+    h = hashlib.sha256(f"{FORMAT}/{VERSION}|{m.tokenizer.id}|{m.token_dtype}".encode())
+    for name in ("train", "validation"):
+        s = m.split(name)
+        h.update(f"|{name}:{s.offsets_sha256}".encode())
+        for sh in s.shards:
+            h.update(f",{sh.tokens}:{sh.sha256}".encode())
+    return h.hexdigest()[:16]
+
+
+def _root_of(uri: str) -> str:
+    return uri.rsplit("/", 1)[0] if "/" in uri else "."
+
+
+def write_manifest(manifest: Manifest, uri: str) -> None:
+    """Write manifest.json so readers see the whole file or none (object put, or tmp + rename)."""
+    data = (manifest.model_dump_json(indent=2) + "\n").encode()
+    fs, path = url_to_fs(uri)
+    if is_remote(uri):
+        fs.pipe_file(path, data)  # one object upload: atomic on GCS
+        return
+    tmp = path + ".tmp"
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    fs.mv(tmp, path)
+
+
+def _sizes(fs: Any, paths: list[str]) -> dict[str, int | None]:
+    """Sizes of files by listing each parent folder once (one request per folder on GCS)."""
+    out: dict[str, int | None] = {}
+    by_dir: dict[str, list[str]] = {}
+    for p in paths:
+        by_dir.setdefault(posixpath.dirname(p.rstrip("/")), []).append(p)
+    for d, ps in by_dir.items():
+        fs.invalidate_cache(d)  # gcsfs caches listings; a prepare may have just written here
+        try:
+            listing = {e["name"].rstrip("/"): e for e in fs.ls(d, detail=True)}
+        except FileNotFoundError:
+            listing = {}
+        for p in ps:
+            e = listing.get(p.rstrip("/"))
+            out[p] = int(e["size"]) if e is not None and e.get("type") == "file" else None
+    return out
+
+
+def load_manifest(uri: str) -> Manifest:
+    """Parse manifest.json at `uri` and check every listed file exists with the recorded size."""
+    fs, path = url_to_fs(uri)
+    try:
+        with fs.open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError as e:
+        raise DataError(
+            f"data manifest {uri} does not exist; run `runtime data prepare` to make it or fix "
+            "data.manifest"
+        ) from e
+    except IsADirectoryError as e:
+        raise DataError(
+            f"data manifest {uri} is a folder; point data.manifest at its manifest.json"
+        ) from e
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(
+            f"data manifest {uri} is not valid JSON ({e}); re-run `runtime data prepare` for it"
+        ) from e
+    try:
+        m = Manifest.model_validate(doc)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        raise DataError(
+            f"data manifest {uri} does not match the manifest schema at {loc}: {err['msg']}; "
+            "re-run `runtime data prepare` with this jaxjob version"
+        ) from e
+    m.with_root(_root_of(uri))
+    _check_consistency(m, uri)
+    _check_files(m, uri)
+    return m
+
+
+def _check_consistency(m: Manifest, uri: str) -> None:
+    for name in ("train", "validation"):
+        s = m.split(name)
+        if sum(sh.tokens for sh in s.shards) != s.tokens:
+            raise DataError(
+                f"data manifest {uri}: splits.{name}.tokens ({s.tokens}) is not the sum of its shard "
+                "token counts; re-run `runtime data prepare`"
+            )
+    if m.fingerprint != compute_fingerprint(m):
+        raise DataError(
+            f"data manifest {uri}: fingerprint {m.fingerprint} does not match its contents; the file "
+            "was edited by hand, re-run `runtime data prepare`"
+        )
+
+
+def _check_files(m: Manifest, uri: str) -> None:
+    itemsize = np.dtype(m.token_dtype).itemsize
+    expected: dict[str, tuple[str, int]] = {}
+    for name in ("train", "validation"):
+        s = m.split(name)
+        for sh in s.shards:
+            expected[m.uri_of(sh.path)] = (f"shard {sh.path}", sh.tokens * itemsize)
+        expected[m.uri_of(s.offsets)] = (
+            f"document offsets file {s.offsets}",
+            (s.documents + 1) * OFFSET_DTYPE.itemsize,
+        )
+    fs, _ = url_to_fs(m.root)
+    paths = {url_to_fs(u)[1]: u for u in expected}
+    sizes = _sizes(fs, list(paths))
+    for p, u in paths.items():
+        what, want = expected[u]
+        got = sizes[p]
+        if got is None:
+            raise DataError(
+                f"data manifest {uri} lists {what} but {u} does not exist; re-run `runtime data "
+                "prepare` or restore the file"
+            )
+        if got != want:
+            raise DataError(
+                f"data manifest {uri}: {what} is {got} bytes but the manifest records {want}; the "
+                "file is truncated or from another prepare, re-run `runtime data prepare`"
+            )
+
+
+def _hash_file(fs: Any, path: str, dtype: np.dtype | None) -> tuple[str, int]:
+    """(sha256, max value) of a file read in chunks; max is -1 when dtype is None or empty."""
+    h = hashlib.sha256()
+    mx = -1
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+            if dtype is not None and len(chunk) >= dtype.itemsize:
+                mx = max(mx, int(np.frombuffer(chunk, dtype=dtype).max()))
+    return h.hexdigest(), mx
+
+
+def read_offsets(m: Manifest, split: str) -> np.ndarray:
+    """The split's int64 document offsets (documents+1 entries, first 0, last = tokens)."""
+    s = m.split(split)
+    fs, path = url_to_fs(m.uri_of(s.offsets))
+    with fs.open(path, "rb") as f:
+        return np.frombuffer(f.read(), dtype=OFFSET_DTYPE).astype(np.int64)
+
+
+def check_manifest(uri: str, deep: bool = False) -> dict[str, Any]:
+    """Summary of a manifest for `runtime data check`; deep=True also re-hashes every file."""
+    m = load_manifest(uri)
+    dtype = np.dtype(m.token_dtype).newbyteorder("<")
+    checked = 0
+    if deep:
+        for name in ("train", "validation"):
+            s = m.split(name)
+            mx = -1
+            for sh in s.shards:
+                fs, path = url_to_fs(m.uri_of(sh.path))
+                digest, smax = _hash_file(fs, path, dtype)
+                if digest != sh.sha256:
+                    raise DataError(
+                        f"data manifest {uri}: shard {sh.path} has sha256 {digest[:16]}… but the "
+                        "manifest records another; the file changed, re-run `runtime data prepare`"
+                    )
+                mx = max(mx, smax)
+                checked += 1
+            if mx != s.max_token_id:
+                raise DataError(
+                    f"data manifest {uri}: split {name} has token ids up to {mx} but the manifest "
+                    f"records {s.max_token_id}; re-run `runtime data prepare`"
+                )
+            fs, path = url_to_fs(m.uri_of(s.offsets))
+            digest, _ = _hash_file(fs, path, None)
+            if digest != s.offsets_sha256:
+                raise DataError(
+                    f"data manifest {uri}: document offsets file {s.offsets} does not match its "
+                    "recorded sha256; re-run `runtime data prepare`"
+                )
+            off = read_offsets(m, name)
+            if off[0] != 0 or off[-1] != s.tokens or np.any(np.diff(off) <= 0):
+                raise DataError(
+                    f"data manifest {uri}: document offsets in {s.offsets} are not increasing from 0 "
+                    f"to {s.tokens}; re-run `runtime data prepare`"
+                )
+            checked += 1
+    return {
+        "manifest": uri,
+        "ok": True,
+        "deep": deep,
+        "files_hashed": checked,
+        "fingerprint": m.fingerprint,
+        "tokenizer": m.tokenizer.model_dump(),
+        "token_dtype": m.token_dtype,
+        "max_token_id": m.max_token_id,
+        "total_tokens": m.total_tokens,
+        "total_documents": m.total_documents,
+        "splits": {
+            name: {
+                "tokens": m.split(name).tokens,
+                "documents": m.split(name).documents,
+                "shards": len(m.split(name).shards),
+                "max_token_id": m.split(name).max_token_id,
+            }
+            for name in ("train", "validation")
+        },
+    }

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_overhead, beside this file
 
 from runtime.data.manifest import load_manifest  # noqa: E402
 from runtime.data.pipeline import TokenBatches  # noqa: E402
@@ -113,6 +114,8 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--orders", default="sequential,shuffle,document_buffer")
     ap.add_argument("--manifest", default=None, help="an existing manifest.json (skips prepare)")
+    ap.add_argument("--step-config", default="configs/smoke.toml",
+                    help="model whose train step consumes the same seq_len x batch (the comparison)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         uri = args.manifest
@@ -126,6 +129,9 @@ def main() -> None:
             measure_loader(uri, args.seq_len, args.batch, args.steps, order, args.prefetch)
             for order in args.orders.split(",")
         ]
+        step_tps = _step_tokens_per_s(args.step_config, args.seq_len, args.batch)
+        for r in results:
+            r["loader_over_step"] = round(r["loader_tokens_per_s"] / step_tps, 1)
         print(
             json.dumps(
                 {
@@ -133,11 +139,26 @@ def main() -> None:
                     "train_tokens": m.splits.train.tokens,
                     "train_documents": m.splits.train.documents,
                     "prepare_s": prepare_s,
+                    "step_config": args.step_config,
+                    "step_tokens_per_s": round(step_tps),
+                    "goal": "loader_over_step >= 10 for every order",
                     "results": results,
                 },
                 indent=2,
             )
         )
+
+
+def _step_tokens_per_s(config: str, seq_len: int, batch: int) -> float:
+    """The runtime train step's own consumption for the same rows per step and seq_len."""
+    from step_overhead import measure_step
+
+    from jobspec.load import load_run_config
+
+    over = {"training": {"seq_len": seq_len, "global_batch_size": batch},
+            "model": {"max_position_embeddings": max(seq_len, 512)}}  # fmt: skip
+    cfg, _ = load_run_config(config, over)
+    return measure_step(cfg, steps=10)
 
 
 if __name__ == "__main__":

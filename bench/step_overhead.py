@@ -50,6 +50,39 @@ def time_steps(fn, state, batch, steps: int):
     return state, time.perf_counter() - t0
 
 
+def runtime_step(cfg):
+    """(jitted step, state, device batch) built exactly as runtime/train.py builds them."""
+    t = cfg.training
+    mesh = build_mesh(cfg.mesh)
+    rep = replicated(mesh)
+    b_sh = batch_sharding(mesh, 3, leading=1)
+    host = random_batch(cfg, 1, t.global_batch_size, np.random.default_rng(0))
+    shape = (1, t.global_batch_size, t.seq_len)
+    batch = {k: jax.make_array_from_process_local_data(b_sh, v, shape) for k, v in host.items()}
+    tx, schedule = build_optimizer(cfg.optimizer, t.total_steps)
+    parts = build_model(cfg.model, cfg.run.seed, mesh)
+    o_sh = opt_state_shardings(tx, parts.params, parts.param_shardings, mesh)
+    state_sh = {"params": parts.param_shardings, "opt_state": o_sh, "step": rep, "rng": rep}
+    state = {
+        "params": parts.params,
+        "opt_state": jax.jit(tx.init, out_shardings=o_sh)(parts.params),
+        "step": jax.device_put(jnp.zeros((), jnp.int32), rep),
+        "rng": jax.device_put(jax.random.PRNGKey(0), rep),
+    }
+    fn = jax.jit(
+        make_train_step(parts.graphdef, parts.others, tx, schedule),
+        in_shardings=(state_sh, b_sh), out_shardings=(state_sh, rep), donate_argnums=0,
+    )  # fmt: skip
+    return fn, state, batch, parts, tx
+
+
+def measure_step(cfg, steps: int) -> float:
+    """Steady-state tokens/s of the runtime's train step for `cfg`."""
+    fn, state, batch, _, _ = runtime_step(cfg)
+    _, dt = time_steps(fn, state, batch, steps)
+    return steps * cfg.training.global_batch_size * cfg.training.seq_len / dt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/smoke.toml")
@@ -59,28 +92,7 @@ def main() -> None:
 
     cfg, _ = load_run_config(args.config)
     t = cfg.training
-    mesh = build_mesh(cfg.mesh)
-    rep = replicated(mesh)
-    b_sh = batch_sharding(mesh, 3, leading=1)
-    host = random_batch(cfg, 1, t.global_batch_size, np.random.default_rng(0))
-    shape = (1, t.global_batch_size, t.seq_len)
-    batch = {k: jax.make_array_from_process_local_data(b_sh, v, shape) for k, v in host.items()}
-    tx, schedule = build_optimizer(cfg.optimizer, t.total_steps)
-
-    # The runtime's step, built exactly as runtime/train.py builds it.
-    parts = build_model(cfg.model, cfg.run.seed, mesh)
-    o_sh = opt_state_shardings(tx, parts.params, parts.param_shardings, mesh)
-    state_sh = {"params": parts.param_shardings, "opt_state": o_sh, "step": rep, "rng": rep}
-    ours = {
-        "params": parts.params,
-        "opt_state": jax.jit(tx.init, out_shardings=o_sh)(parts.params),
-        "step": jax.device_put(jnp.zeros((), jnp.int32), rep),
-        "rng": jax.device_put(jax.random.PRNGKey(0), rep),
-    }
-    ours_fn = jax.jit(
-        make_train_step(parts.graphdef, parts.others, tx, schedule),
-        in_shardings=(state_sh, b_sh), out_shardings=(state_sh, rep), donate_argnums=0,
-    )  # fmt: skip
+    ours_fn, ours, batch, parts, tx = runtime_step(cfg)
 
     # The hand-written baseline on its own copy of the same parameters.
     graphdef = parts.graphdef

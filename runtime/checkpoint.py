@@ -96,8 +96,9 @@ class CheckpointService:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot open checkpoints under {self.directory}: {e}") from e
         self._pending: _Pending | None = None
-        self._entries, changed = self._reconcile()
-        if changed:
+        written = load_index(store)
+        self._entries = self._reconcile(written)
+        if self.read_index() != written:
             self._write_index()
 
     # ---- index -------------------------------------------------------------------------------
@@ -113,17 +114,17 @@ class CheckpointService:
             int(n) for n in self.store.listdir(CKPT_DIR) if n.isdigit() and self._committed(int(n))
         }
 
-    def _reconcile(self) -> tuple[dict[int, dict[str, Any]], bool]:
+    def _reconcile(self, written: dict[str, Any]) -> dict[int, dict[str, Any]]:
         """Index entries that agree with disk: drop steps that are gone, adopt committed steps a
         crash kept out of the index. Every host computes the same answer from the same files."""
-        listed = {int(e["step"]): e for e in load_index(self.store)["checkpoints"]}
+        listed = {int(e["step"]): e for e in written["checkpoints"]}
         on_disk = self._committed_steps()
         entries = {s: e for s, e in listed.items() if s in on_disk}
         for step in sorted(on_disk - listed.keys()):
             entry = self._read_entry(step)
             if entry is not None:
                 entries[step] = entry
-        return entries, entries != listed
+        return entries
 
     def _read_entry(self, step: int) -> dict[str, Any] | None:
         rel = f"{CKPT_DIR}/{step}/entry/metadata"  # JsonSave's file inside the `entry` item
@@ -137,12 +138,16 @@ class CheckpointService:
         return entry if isinstance(entry, dict) and entry.get("step") == step else None
 
     def _best(self) -> int | None:
+        """Lowest `best_metric`; a run that records it nowhere (no evals) has latest as best,
+        as Orbax's own best_step does."""
         scored = [
             (float(e["metrics"][self.best_metric]), s)
             for s, e in self._entries.items()
             if isinstance(e.get("metrics"), dict) and self.best_metric in e["metrics"]
         ]
-        return min(scored)[1] if scored else None
+        if scored:
+            return min(scored)[1]
+        return self.latest()
 
     def read_index(self) -> dict[str, Any]:
         return _index_doc(self._entries, self._best())
@@ -184,11 +189,7 @@ class CheckpointService:
             return max(self._entries)
         if selector == "best":
             best = self._best()
-            if best is None:
-                raise CheckpointError(
-                    f"no checkpoint under {self.directory} records {self.best_metric}, so none "
-                    "is 'best'; use 'latest' or a step number"
-                )
+            assert best is not None  # there are entries, so there is a best
             return best
         if isinstance(selector, int) or (isinstance(selector, str) and selector.isdigit()):
             step = int(selector)
@@ -269,9 +270,20 @@ class CheckpointService:
         self._write_index()
         return pending.step
 
+    def _wait_orbax(self) -> None:
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:  # whatever the background save raised, re-raised here
+            step = self._pending.step if self._pending else "?"
+            self._pending = None
+            raise CheckpointError(
+                f"checkpoint {step} under {self.directory} failed to save ({e}); check the "
+                "storage and restart from the latest checkpoint"
+            ) from e
+
     def _settle(self) -> None:
         # Every host reaches this together, so the deletes' barriers line up.
-        self._mgr.wait_until_finished()
+        self._wait_orbax()
         self.poll()
         self._retain()
 
@@ -299,7 +311,7 @@ class CheckpointService:
     def discard_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (a run resumed from an older step branches off
         there); every host must call it. Returns the deleted steps."""
-        self._mgr.wait_until_finished()
+        self._wait_orbax()
         self.poll()
         newer = [s for s in self.steps() if s > step]
         self._delete(newer)

@@ -20,7 +20,7 @@ from jobspec.errors import CheckpointError, ConfigError
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
 from runtime import artifacts
-from runtime.checkpoint import CheckpointService
+from runtime.checkpoint import CheckpointService, load_index
 from runtime.compat import check_compatible, fingerprint
 from runtime.data.pipeline import TokenBatches
 from runtime.evaluate import Evaluator
@@ -88,30 +88,29 @@ def _emit(line: str) -> None:
     print(line, flush=True)
 
 
-def _open_run(cfg: RunConfig, resume: bool) -> tuple[ArtifactStore, CheckpointService]:
+def _open_run(cfg: RunConfig, resume: bool) -> ArtifactStore:
+    """The run's store, after checking that starting or resuming is what the index allows.
+
+    Reads checkpoints/index.json only; Orbax is not touched until the config and data are known
+    to fit, so a bad input ends before any checkpoint machinery starts.
+    """
     store = ArtifactStore(join(cfg.run.output_uri, cfg.run.id), process_index=jax.process_index())
     store.check_writable()
-    ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
-    has_ckpt = ckpt.latest() is not None
+    has_ckpt = load_index(store).get("latest") is not None
     if not resume and has_ckpt:
-        ckpt.close()
         raise ConfigError(
             f"run {cfg.run.id!r} already has checkpoints at {store.uri('checkpoints')}; pass --resume "
             "to continue it, or set a new run.id"
         )
     if resume and not has_ckpt:
-        ckpt.close()
         raise CheckpointError(
             f"--resume was given but {store.uri('checkpoints')} holds no committed checkpoint; "
             "run without --resume to start the run"
         )
-    return store, ckpt
+    return store
 
 
-def _prepare(cfg: RunConfig, source_toml: str, resume: bool, store, ckpt) -> Run:
-    manifest = ensure_manifest(cfg.data)
-    check_data_fits(cfg, manifest)
-    mesh = build_mesh(cfg.mesh)
+def _prepare(cfg: RunConfig, source_toml: str, resume: bool, store, ckpt, manifest, mesh) -> Run:
     fp = fingerprint(cfg, manifest_fingerprint=manifest.fingerprint, tokenizer_id=manifest.tokenizer.id)
     total_steps = cfg.training.total_steps
     start_step = ckpt.resolve("latest") if resume else 0
@@ -196,9 +195,13 @@ def train(
     """Train to target_tokens (or `max_steps` more steps, then checkpoint and stop)."""
     configure_gcs_env()
     t_start = time.perf_counter()
-    store, ckpt = _open_run(cfg, resume)
+    store = _open_run(cfg, resume)
+    manifest = ensure_manifest(cfg.data)
+    check_data_fits(cfg, manifest)
+    mesh = build_mesh(cfg.mesh)
+    ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     try:
-        run = _prepare(cfg, source_toml, resume, store, ckpt)
+        run = _prepare(cfg, source_toml, resume, store, ckpt, manifest, mesh)
     except BaseException:
         ckpt.close()
         raise

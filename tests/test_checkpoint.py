@@ -45,12 +45,20 @@ def save(svc: CheckpointService, step: int, val_loss: float | None = None, **kw)
     )
 
 
+@pytest.fixture(params=["local", pytest.param("gs", marks=pytest.mark.gcs)])
+def ckpt_uri(request: pytest.FixtureRequest, tmp_path) -> str:
+    """The same test once on a local directory and once on gs:// (the emulator)."""
+    if request.param == "local":
+        return str(tmp_path / "run")
+    return request.getfixturevalue("orbax_gs_run_uri")
+
+
 def disk_steps(store: ArtifactStore) -> list[int]:
     return sorted(int(n) for n in store.listdir("checkpoints") if n.isdigit())
 
 
-def test_save_and_restore_round_trip(run_uri: str) -> None:
-    store = ArtifactStore(run_uri)
+def test_save_and_restore_round_trip(ckpt_uri: str) -> None:
+    store = ArtifactStore(ckpt_uri)
     svc = CheckpointService(store, keep=3, async_save=True)
     assert save(svc, 5) and save(svc, 10)
     svc.wait()
@@ -69,7 +77,7 @@ def test_save_and_restore_round_trip(run_uri: str) -> None:
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
     # The index on disk says the same, and is readable without Orbax.
-    index = load_index(ArtifactStore(run_uri))
+    index = load_index(ArtifactStore(ckpt_uri))
     assert [e["step"] for e in index["checkpoints"]] == [5, 10]
     assert index["latest"] == 10 and index["checkpoints"][1]["fingerprint"] == FINGERPRINT
     assert svc.fingerprint(5) == FINGERPRINT
@@ -120,10 +128,26 @@ def test_save_that_did_not_commit_fails_loudly_and_is_not_indexed(
     assert svc.steps() == [1] and load_index(store)["latest"] == 1
 
 
-def test_latest_best_and_retention(run_uri: str) -> None:
-    store = ArtifactStore(run_uri)
+def test_background_save_failure_is_a_checkpoint_error(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ArtifactStore(str(tmp_path / "run"))
     svc = CheckpointService(store, keep=2, async_save=True)
-    for step, loss in [(10, 3.0), (20, 1.0), (30, 2.0), (40, 2.5), (50, 2.7)]:
+    save(svc, 1)
+
+    def failed() -> None:
+        raise ValueError("Error writing manifest.ocdbt")
+
+    monkeypatch.setattr(svc._mgr, "wait_until_finished", failed)  # as Orbax re-raises it
+    with pytest.raises(CheckpointError, match="checkpoint 1 .* failed to save .*manifest.ocdbt"):
+        svc.wait()
+    assert svc.steps() == []
+
+
+def test_latest_best_and_retention(ckpt_uri: str) -> None:
+    store = ArtifactStore(ckpt_uri)
+    svc = CheckpointService(store, keep=2, async_save=True)
+    for step, loss in [(10, 3.0), (20, 1.0), (30, 2.0), (40, 2.5), (50, None)]:
         assert save(svc, step, loss)
     svc.wait()
     # The two most recent plus the best; index and disk agree.
@@ -149,8 +173,7 @@ def test_resolve_errors(tmp_path) -> None:
         CheckpointError, match="step 6 is not a committed checkpoint .*available steps: 4, 8"
     ):
         svc.resolve("6")
-    with pytest.raises(CheckpointError, match="records val_loss"):
-        svc.resolve("best")
+    assert svc.resolve("best") == 8  # no checkpoint records val_loss: best is latest
     with pytest.raises(CheckpointError, match="not 'latest', 'best' or a step number"):
         svc.resolve("newest")
     with pytest.raises(CheckpointError, match="step 6 is not a committed checkpoint"):
@@ -195,8 +218,8 @@ def test_local_crash_mid_save_never_becomes_latest(tmp_path) -> None:
 
 
 @pytest.mark.gcs
-def test_gs_step_without_commit_file_never_becomes_latest(gs_run_uri: str) -> None:
-    store = ArtifactStore(gs_run_uri)
+def test_gs_step_without_commit_file_never_becomes_latest(orbax_gs_run_uri: str) -> None:
+    store = ArtifactStore(orbax_gs_run_uri)
     svc = CheckpointService(store, keep=3, async_save=True)
     save(svc, 1)
     save(svc, 2)
@@ -208,7 +231,7 @@ def test_gs_step_without_commit_file_never_becomes_latest(gs_run_uri: str) -> No
     doc["checkpoints"].append({**doc["checkpoints"][0], "step": 9})
     store.write_json(INDEX, {**doc, "latest": 9})
 
-    svc = CheckpointService(ArtifactStore(gs_run_uri), keep=3, async_save=True)
+    svc = CheckpointService(ArtifactStore(orbax_gs_run_uri), keep=3, async_save=True)
     assert svc.steps() == [1] and svc.resolve("latest") == 1
     assert load_index(store)["latest"] == 1
     assert save(svc, 2)  # the crashed step's objects are cleared and it is saved again

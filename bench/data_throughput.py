@@ -114,8 +114,11 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--orders", default="sequential,shuffle,document_buffer")
     ap.add_argument("--manifest", default=None, help="an existing manifest.json (skips prepare)")
-    ap.add_argument("--step-config", default="configs/smoke.toml",
-                    help="model whose train step consumes the same seq_len x batch (the comparison)")
+    ap.add_argument(
+        "--step-config",
+        default="configs/smoke.toml",
+        help="model whose train step consumes the same seq_len x batch (the comparison)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         uri = args.manifest

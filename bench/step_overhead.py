@@ -116,11 +116,15 @@ def main() -> None:
     base = (base_params, tx.init(base_params))
 
     ours_time = base_time = 0.0
-    for _ in range(args.rounds):
-        ours, dt = time_steps(ours_fn, ours, batch, args.steps)
-        ours_time += dt
-        base, dt = time_steps(base_fn, base, batch, args.steps)
-        base_time += dt
+    for r in range(args.rounds):
+        # Alternate which side goes first, so neither always runs on a warmer (or hotter) machine.
+        for side in ("ours", "base") if r % 2 == 0 else ("base", "ours"):
+            if side == "ours":
+                ours, dt = time_steps(ours_fn, ours, batch, args.steps)
+                ours_time += dt
+            else:
+                base, dt = time_steps(base_fn, base, batch, args.steps)
+                base_time += dt
     tokens = args.rounds * args.steps * t.global_batch_size * t.seq_len
     result = {
         "benchmark": "step_overhead",

@@ -34,7 +34,18 @@ LAYOUT = {
     "summary": "summaries/final.json",
     "checkpoints": "checkpoints/index.json",
 }
-PACKAGES = ("jaxjob", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "fsspec", "gcsfs")
+PACKAGES = (
+    "jaxjob",
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "grain",
+    "numpy",
+    "fsspec",
+    "gcsfs",
+)
 
 
 def now() -> str:
@@ -180,7 +191,9 @@ class RunArtifacts:
         if self.writer:
             self.store.append_jsonl(EVAL_METRICS, [row])
 
-    def finish(self, status: str, step: int, last_row: dict | None, index: dict, wall_s: float, **extra) -> dict:
+    def finish(
+        self, status: str, step: int, last_row: dict | None, index: dict, wall_s: float, **extra
+    ) -> dict:
         summary = {
             "run_id": self.cfg.run.id,
             "status": status,
@@ -195,7 +208,11 @@ class RunArtifacts:
             evals = self.store.read_jsonl(EVAL_METRICS) if self.store.exists(EVAL_METRICS) else []
             if evals:
                 best = min(evals, key=lambda r: r["loss"])
-                summary["best_eval"] = {"step": best["step"], "name": best["name"], "loss": best["loss"]}
+                summary["best_eval"] = {
+                    "step": best["step"],
+                    "name": best["name"],
+                    "loss": best["loss"],
+                }
             rows = self.store.read_jsonl(TRAIN_METRICS) if self.store.exists(TRAIN_METRICS) else []
             timed = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
             if timed:
@@ -210,8 +227,13 @@ class RunArtifacts:
             return
         try:
             msg = str(err) or type(err).__name__
-            self.event("failure", step=step, error=msg, type=type(err).__name__,
-                       traceback=traceback.format_exception(err)[-3:])
+            self.event(
+                "failure",
+                step=step,
+                error=msg,
+                type=type(err).__name__,
+                traceback=traceback.format_exception(err)[-3:],
+            )
             self._write_manifest(status="failed", steps=step)
         except Exception:  # the original error matters more than a failed report of it
             pass

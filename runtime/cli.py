@@ -47,7 +47,11 @@ def _load(path: str, sets: tuple[str, ...] = ()):
 
 
 SET_OPTION = click.option(
-    "--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key, e.g. training.target_tokens=2e6."
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a config key, e.g. training.target_tokens=2e6.",
 )
 
 
@@ -58,9 +62,13 @@ def cli() -> None:
 
 @cli.command("local")
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--resume", is_flag=True, help="Continue the run from its latest committed checkpoint.")
 @click.option(
-    "--max-steps", type=click.IntRange(min=1), default=None,
+    "--resume", is_flag=True, help="Continue the run from its latest committed checkpoint."
+)
+@click.option(
+    "--max-steps",
+    type=click.IntRange(min=1),
+    default=None,
     help="Stop after this many steps of this attempt, with a checkpoint (resume later with --resume).",
 )
 @SET_OPTION
@@ -110,13 +118,17 @@ def config_check(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
     click.echo(f"{config}: valid")
     click.echo(f"  run dir          {info['run_dir']}")
     click.echo(f"  parameters       {p['total']:,} ({p['non_embedding']:,} without the embedding)")
-    click.echo(f"  FLOPs/token      {info['flops_per_token']['total']:,.0f} (6N + attention, no causal halving)")
+    click.echo(
+        f"  FLOPs/token      {info['flops_per_token']['total']:,.0f} (6N + attention, no causal halving)"
+    )
     click.echo(
         f"  tokens/step      {t.tokens_per_step:,} = {t.global_batch_size} x {t.gradient_accumulation_steps} x {t.seq_len}"
         " (global_batch_size x gradient_accumulation_steps x seq_len)"
     )
     click.echo(f"  steps            {t.total_steps:,} to reach {t.target_tokens:,} tokens")
-    click.echo(f"  mesh             data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} ({cfg.mesh.size} devices)")
+    click.echo(
+        f"  mesh             data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} ({cfg.mesh.size} devices)"
+    )
 
 
 @config_group.command("schema")
@@ -133,22 +145,36 @@ def data_group() -> None:
 
 
 @data_group.command("prepare")
-@click.option("--input", "inputs", multiple=True, required=True, help="File or glob ('{stdlib}' = Python's stdlib); repeatable.")
-@click.option("--tokenizer", default="byte", show_default=True, help="'byte' or a path to tokenizer.json.")
+@click.option(
+    "--input",
+    "inputs",
+    multiple=True,
+    required=True,
+    help="File or glob ('{stdlib}' = Python's stdlib); repeatable.",
+)
+@click.option(
+    "--tokenizer", default="byte", show_default=True, help="'byte' or a path to tokenizer.json."
+)
 @click.option("--out", required=True, help="Output directory (local or gs://).")
 @click.option("--val-fraction", default=0.05, show_default=True, type=float)
-@click.option("--max-bytes", default=None, type=int, help="Stop reading inputs after this many bytes.")
+@click.option(
+    "--max-bytes", default=None, type=int, help="Stop reading inputs after this many bytes."
+)
 @click.option("--json", "as_json", is_flag=True)
 def data_prepare(inputs, tokenizer, out, val_fraction, max_bytes, as_json) -> None:
     """Tokenize text/JSONL files into token shards and a manifest.json."""
     from runtime.data.prepare import prepare_dataset
 
-    m = prepare_dataset(list(inputs), tokenizer, out, val_fraction=val_fraction, max_bytes=max_bytes)
+    m = prepare_dataset(
+        list(inputs), tokenizer, out, val_fraction=val_fraction, max_bytes=max_bytes
+    )
     summary = json.loads(m.model_dump_json())
     if as_json:
         _print_json(summary)
     else:
-        click.echo(f"wrote {out.rstrip('/')}/manifest.json (tokenizer {m.tokenizer.id}, fingerprint {m.fingerprint})")
+        click.echo(
+            f"wrote {out.rstrip('/')}/manifest.json (tokenizer {m.tokenizer.id}, fingerprint {m.fingerprint})"
+        )
 
 
 @data_group.command("check")
@@ -209,7 +235,9 @@ def eval_group() -> None:
 
 @eval_group.command("checkpoint")
 @click.argument("run")
-@click.option("--checkpoint", "selector", default="latest", show_default=True, help="latest, best or a step.")
+@click.option(
+    "--checkpoint", "selector", default="latest", show_default=True, help="latest, best or a step."
+)
 @click.option("--json", "as_json", is_flag=True)
 def eval_checkpoint_cmd(run: str, selector: str, as_json: bool) -> None:
     """Run the configured evals on one checkpoint of RUN; writes evals/<step>.json."""
@@ -220,7 +248,9 @@ def eval_checkpoint_cmd(run: str, selector: str, as_json: bool) -> None:
         _print_json(out)
     else:
         for r in out["results"]:
-            click.echo(f"step {out['step']} | {r['name']} | loss: {r['loss']:.4f} | tokens: {r['token_count']:,.0f}")
+            click.echo(
+                f"step {out['step']} | {r['name']} | loss: {r['loss']:.4f} | tokens: {r['token_count']:,.0f}"
+            )
         click.echo(f"wrote {out['path']}")
 
 
@@ -235,19 +265,32 @@ def sample_group() -> None:
 @click.option("--prompt-ids", required=True, help="Comma-separated token ids, e.g. 1,2,3.")
 @click.option("--max-new-tokens", default=16, show_default=True, type=int)
 @click.option("--temperature", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=None, type=int, help="Sample among the k most likely tokens; 1 = greedy.")
+@click.option(
+    "--top-k", default=None, type=int, help="Sample among the k most likely tokens; 1 = greedy."
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True)
-def sample_checkpoint_cmd(run, selector, prompt_ids, max_new_tokens, temperature, top_k, seed, as_json) -> None:
+def sample_checkpoint_cmd(
+    run, selector, prompt_ids, max_new_tokens, temperature, top_k, seed, as_json
+) -> None:
     """KV-cache decode from one checkpoint of RUN; writes samples/<step>-<n>.json."""
     from runtime.offline import sample_checkpoint
 
     try:
         ids = [int(x) for x in prompt_ids.replace(" ", "").split(",") if x]
     except ValueError:
-        raise ConfigError(f"--prompt-ids {prompt_ids!r}: use comma-separated integers, e.g. 1,2,3") from None
-    out = sample_checkpoint(run, selector, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_k=top_k, seed=seed)
+        raise ConfigError(
+            f"--prompt-ids {prompt_ids!r}: use comma-separated integers, e.g. 1,2,3"
+        ) from None
+    out = sample_checkpoint(
+        run,
+        selector,
+        ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+    )
     if as_json:
         _print_json(out)
     else:
@@ -257,7 +300,15 @@ def sample_checkpoint_cmd(run, selector, prompt_ids, max_new_tokens, temperature
         click.echo(f"wrote {out['path']}")
 
 
+def _quiet_library_logs() -> None:
+    # Orbax logs routine notices (read-only managers, cleanup) as absl WARNINGs; keep errors.
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> None:
+    _quiet_library_logs()
     try:
         cli.main(args=argv, prog_name="runtime", standalone_mode=False)
     except click.exceptions.Abort:

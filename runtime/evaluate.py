@@ -27,8 +27,13 @@ class Evaluator:
         shape = (1, t.global_batch_size, t.seq_len)
         sums = []
         with eval_batches(
-            self.manifest, split, t.seq_len, t.global_batch_size, num_batches,
-            process_index=jax.process_index(), process_count=jax.process_count(),
+            self.manifest,
+            split,
+            t.seq_len,
+            t.global_batch_size,
+            num_batches,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
             prefetch=self.cfg.data.prefetch,
         ) as batches:
             for item in batches:
@@ -40,8 +45,14 @@ class Evaluator:
         got = jax.device_get(sums)
         loss_sum = float(sum(s["loss_sum"] for s in got))
         count = float(sum(s["token_count"] for s in got))
-        return {"name": name, "split": split, "loss": loss_sum / max(count, 1.0),
-                "loss_sum": loss_sum, "token_count": count, "batches": len(got)}
+        return {
+            "name": name,
+            "split": split,
+            "loss": loss_sum / max(count, 1.0),
+            "loss_sum": loss_sum,
+            "token_count": count,
+            "batches": len(got),
+        }
 
     def run(self, params, step: int, run_art, emit) -> dict[str, float]:
         """Every configured eval at `step`; rows to metrics/eval.jsonl; {name: loss}."""

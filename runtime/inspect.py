@@ -24,8 +24,12 @@ def inspect_run(run: str) -> dict[str, Any]:
     rows = store.read_jsonl(TRAIN_METRICS) if store.exists(TRAIN_METRICS) else []
     evals = store.read_jsonl(EVAL_METRICS) if store.exists(EVAL_METRICS) else []
     events = store.read_jsonl(EVENTS) if store.exists(EVENTS) else []
-    index = store.read_json("checkpoints/index.json") if store.exists("checkpoints/index.json") else {}
-    summary = store.read_json("summaries/final.json") if store.exists("summaries/final.json") else None
+    index = (
+        store.read_json("checkpoints/index.json") if store.exists("checkpoints/index.json") else {}
+    )
+    summary = (
+        store.read_json("summaries/final.json") if store.exists("summaries/final.json") else None
+    )
     timed = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)
     last = rows[-1] if rows else None
     best = min(evals, key=lambda r: r["loss"]) if evals else None
@@ -62,10 +66,14 @@ def render(r: dict[str, Any]) -> str:
     if r["best_eval"]:
         b = r["best_eval"]
         lines.append(f"best eval    {b['name']} {b['loss']:.4f} at step {b['step']}")
-    lines.append(f"throughput   {fmt(r['tokens_per_s_median'], ',.0f')} tokens/s (median)"
-                 + (f", MFU {100 * r['mfu_last']:.1f}%" if r["mfu_last"] is not None else ""))
-    lines.append(f"checkpoints  {r['checkpoints'] or 'none'}  latest {fmt(r['latest_checkpoint'])}  "
-                 f"best {fmt(r['best_checkpoint'])}")
+    lines.append(
+        f"throughput   {fmt(r['tokens_per_s_median'], ',.0f')} tokens/s (median)"
+        + (f", MFU {100 * r['mfu_last']:.1f}%" if r["mfu_last"] is not None else "")
+    )
+    lines.append(
+        f"checkpoints  {r['checkpoints'] or 'none'}  latest {fmt(r['latest_checkpoint'])}  "
+        f"best {fmt(r['best_checkpoint'])}"
+    )
     if r["last_event"]:
         e = r["last_event"]
         lines.append(f"last event   {e.get('event')} at {e.get('time')}")

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import optax
 
 
-def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def cross_entropy_sums(
+    logits: jax.Array, targets: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy over counted positions, and the number of them.
 
     Computed in float32 whatever the compute dtype; masked positions (padding, synthetic joins

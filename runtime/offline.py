@@ -29,13 +29,19 @@ from runtime.store import ArtifactStore
 
 def _restore(run: str, selector: str) -> tuple[ArtifactStore, RunConfig, int, ModelParts, Mesh]:
     store = open_run(run)
-    cfg = parse_run_config(store.read_json("config/resolved.json"), store.uri("config/resolved.json"))
+    cfg = parse_run_config(
+        store.read_json("config/resolved.json"), store.uri("config/resolved.json")
+    )
     ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=False, read_only=True)
     try:
         step = ckpt.resolve(selector)
         # The run's own mesh where this machine has its device count; else one device.
         devices = jax.devices()
-        mesh = build_mesh(cfg.mesh) if cfg.mesh.size == len(devices) else build_mesh(MeshConfig(), devices[:1])
+        mesh = (
+            build_mesh(cfg.mesh)
+            if cfg.mesh.size == len(devices)
+            else build_mesh(MeshConfig(), devices[:1])
+        )
         abstract = build_model(cfg.model, cfg.run.seed, mesh, materialise=False)
         params, _, _ = ckpt.restore(step, params_target=abstract.params)
     finally:
@@ -50,7 +56,13 @@ def eval_checkpoint(run: str, selector: str) -> dict[str, Any]:
     evaluator = Evaluator(cfg, manifest, parts, mesh)
     evals = cfg.evals or [EvalConfig(name="validation")]
     results = [evaluator.evaluate(parts.params, e.name, e.split, e.batches) for e in evals]
-    out = {"run_id": cfg.run.id, "step": step, "checkpoint": selector, "time": now(), "results": results}
+    out = {
+        "run_id": cfg.run.id,
+        "step": step,
+        "checkpoint": selector,
+        "time": now(),
+        "results": results,
+    }
     rel = f"evals/step-{step}.json"
     store.write_json(rel, out)
     return {**out, "path": store.uri(rel)}
@@ -75,8 +87,15 @@ def sample_checkpoint(
         tokenizer = load_tokenizer(manifest.tokenizer.source or manifest.tokenizer.id)
     except JaxjobError:  # sampling works without the data; only the text rendering is lost
         eos = None
-    result = generate(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                      top_k=top_k, seed=seed, eos_id=eos)
+    result = generate(
+        model,
+        prompt_ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        eos_id=eos,
+    )
     out = {
         "run_id": cfg.run.id,
         "step": step,
@@ -85,7 +104,12 @@ def sample_checkpoint(
         "prompt_ids": list(prompt_ids),
         "new_ids": result["tokens"],
         "stop_reason": result["stop_reason"],
-        "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "seed": seed},
+        "settings": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_k": top_k,
+            "seed": seed,
+        },
         "text": tokenizer.decode(result["tokens"]) if tokenizer is not None else None,
     }
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%f")

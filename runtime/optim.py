@@ -16,7 +16,9 @@ def build_schedule(cfg: OptimizerConfig, decay_steps: int) -> optax.Schedule:
     if s.kind == "constant":
         after = optax.constant_schedule(peak)
     elif s.kind == "cosine":
-        after = optax.cosine_decay_schedule(peak, max(decay_steps - warmup, 1), alpha=s.min_lr_ratio)
+        after = optax.cosine_decay_schedule(
+            peak, max(decay_steps - warmup, 1), alpha=s.min_lr_ratio
+        )
     else:
         after = optax.linear_schedule(peak, floor, max(decay_steps - warmup, 1))
     if warmup == 0:
@@ -29,14 +31,21 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def build_optimizer(cfg: OptimizerConfig, decay_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def build_optimizer(
+    cfg: OptimizerConfig, decay_steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = build_schedule(cfg, decay_steps)
     parts = []
     if cfg.grad_clip_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip_norm))
     parts.append(
         optax.adamw(
-            schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decay_mask
+            schedule,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=_decay_mask,
         )
     )
     return optax.chain(*parts), schedule

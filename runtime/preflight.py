@@ -9,8 +9,8 @@ import jax
 from jobspec.errors import JaxjobError
 from jobspec.run_config import RunConfig
 from runtime.data.manifest import load_manifest
+from runtime.data.pipeline import check_for_run
 from runtime.flops import parameter_counts
-from runtime.session import check_data_fits
 from runtime.sharding import build_mesh
 from runtime.storage import join, url_to_fs
 from runtime.store import ArtifactStore
@@ -36,7 +36,9 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
     adam = 2 * n * 4 / shards
     rows = t.global_batch_size / (cfg.mesh.data * cfg.mesh.fsdp)
     per_token_layer = {
-        "none": 16 * m.hidden_size + 3 * m.intermediate_size + m.num_heads * t.seq_len / max(cfg.mesh.tensor, 1),
+        "none": 16 * m.hidden_size
+        + 3 * m.intermediate_size
+        + m.num_heads * t.seq_len / max(cfg.mesh.tensor, 1),
         "block": 8 * m.hidden_size + 3 * m.intermediate_size,
         "full": m.hidden_size,
     }[m.remat]
@@ -45,8 +47,16 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
     total = params + grads + adam + activations + logits
     return {
         "per_device_bytes": int(total),
-        "parts": {k: int(v) for k, v in
-                  {"params": params, "grads": grads, "adam": adam, "activations": activations, "logits": logits}.items()},
+        "parts": {
+            k: int(v)
+            for k, v in {
+                "params": params,
+                "grads": grads,
+                "adam": adam,
+                "activations": activations,
+                "logits": logits,
+            }.items()
+        },
         "devices": devices,
     }
 
@@ -72,21 +82,41 @@ def preflight(cfg: RunConfig) -> dict[str, Any]:
             return None
 
     devices = jax.devices()
-    check("devices", lambda: (f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), "
-                              f"{jax.process_count()} process(es)", None))
-    check("mesh", lambda: (f"data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} fits "
-                           f"{len(build_mesh(cfg.mesh).devices.flat)} devices", None))
+    check(
+        "devices",
+        lambda: (
+            f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), "
+            f"{jax.process_count()} process(es)",
+            None,
+        ),
+    )
+    check(
+        "mesh",
+        lambda: (
+            f"data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} fits "
+            f"{len(build_mesh(cfg.mesh).devices.flat)} devices",
+            None,
+        ),
+    )
 
     def data():
         fs, path = url_to_fs(cfg.data.manifest)
         if not fs.exists(path):
             if cfg.data.prepare is None:
-                raise JaxjobError(f"data.manifest {cfg.data.manifest} does not exist and no [data.prepare] is set")
-            return f"{cfg.data.manifest} absent; will be prepared on first use from {cfg.data.prepare.inputs}", None
+                raise JaxjobError(
+                    f"data.manifest {cfg.data.manifest} does not exist and no [data.prepare] is set"
+                )
+            return (
+                f"{cfg.data.manifest} absent; will be prepared on first use from {cfg.data.prepare.inputs}",
+                None,
+            )
         m = load_manifest(cfg.data.manifest)
-        check_data_fits(cfg, m)
+        check_for_run(m, cfg.data, cfg.model.vocab_size)
         train = m.split("train")
-        return f"{cfg.data.manifest}: {train.tokens:,} train tokens, tokenizer {m.tokenizer.id}", None
+        return (
+            f"{cfg.data.manifest}: {train.tokens:,} train tokens, tokenizer {m.tokenizer.id}",
+            None,
+        )
 
     check("data", data)
 
@@ -100,9 +130,12 @@ def preflight(cfg: RunConfig) -> dict[str, Any]:
     limit = _device_limit()
     fits = limit is None or est["per_device_bytes"] < limit
     gib = est["per_device_bytes"] / 2**30
-    checks.append({
-        "name": "memory",
-        "ok": fits,
-        "detail": f"~{gib:.2f} GiB per device" + (f" of {limit / 2**30:.1f} GiB" if limit else " (device reports no limit)"),
-    })
+    checks.append(
+        {
+            "name": "memory",
+            "ok": fits,
+            "detail": f"~{gib:.2f} GiB per device"
+            + (f" of {limit / 2**30:.1f} GiB" if limit else " (device reports no limit)"),
+        }
+    )
     return {"checks": checks, "memory": est}

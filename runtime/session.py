@@ -15,9 +15,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jobspec.run_config import DataConfig, ModelConfig, RunConfig
+from jobspec.run_config import DataConfig, ModelConfig
 from runtime.data.manifest import Manifest, load_manifest
-from runtime.data.pipeline import check_tokenizer, check_vocab
 from runtime.data.prepare import prepare_dataset
 from runtime.model import Decoder
 from runtime.sharding import mesh_spec, replicated
@@ -47,11 +46,6 @@ def ensure_manifest(cfg: DataConfig) -> Manifest:
             max_bytes=cfg.prepare.max_bytes,
         )
     return load_manifest(cfg.manifest)
-
-
-def check_data_fits(cfg: RunConfig, manifest: Manifest) -> None:
-    check_tokenizer(manifest, cfg.data.tokenizer)
-    check_vocab(manifest, cfg.model.vocab_size)
 
 
 def _abstract_model(cfg: ModelConfig, seed: int) -> nnx.Module:
@@ -94,7 +88,9 @@ def build_model(cfg: ModelConfig, seed: int, mesh: Mesh, *, materialise: bool = 
     return ModelParts(graphdef=graphdef, params=params, others=(others,), param_shardings=p_sh)
 
 
-def opt_state_shardings(tx: optax.GradientTransformation, params: Any, p_sh: Any, mesh: Mesh) -> Any:
+def opt_state_shardings(
+    tx: optax.GradientTransformation, params: Any, p_sh: Any, mesh: Mesh
+) -> Any:
     """Optimizer moments take their parameter's sharding (FSDP shards them too); scalars replicate."""
     abstract = jax.eval_shape(tx.init, params)
     return optax.tree_map_params(

@@ -54,7 +54,9 @@ def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
     return math.prod(mesh.shape[a] for a in names)
 
 
-def mesh_spec(logical: tuple | PartitionSpec | None, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+def mesh_spec(
+    logical: tuple | PartitionSpec | None, shape: tuple[int, ...], mesh: Mesh
+) -> PartitionSpec:
     """Logical names → mesh PartitionSpec; a dimension the mesh axis does not divide stays replicated."""
     if logical is None:
         return PartitionSpec()

@@ -56,7 +56,9 @@ def url_to_fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
         if emulator:
             kwargs["token"] = "anon"
-            kwargs["endpoint_url"] = emulator if emulator.startswith("http") else "http://" + emulator
+            kwargs["endpoint_url"] = (
+                emulator if emulator.startswith("http") else "http://" + emulator
+            )
     try:
         return fsspec.core.url_to_fs(uri, **kwargs)
     except (ValueError, ImportError) as e:

@@ -22,11 +22,11 @@ from jobspec.run_config import RunConfig
 from runtime import artifacts
 from runtime.checkpoint import CheckpointService, load_index
 from runtime.compat import check_compatible, fingerprint
-from runtime.data.pipeline import TokenBatches
+from runtime.data.pipeline import TokenBatches, check_for_run, train_batches
 from runtime.evaluate import Evaluator
 from runtime.metrics import Throughput
 from runtime.optim import build_optimizer
-from runtime.session import build_model, check_data_fits, ensure_manifest, opt_state_shardings
+from runtime.session import build_model, ensure_manifest, opt_state_shardings
 from runtime.sharding import batch_sharding, build_mesh, replicated
 from runtime.storage import configure_gcs_env, join
 from runtime.store import ArtifactStore
@@ -111,7 +111,9 @@ def _open_run(cfg: RunConfig, resume: bool) -> ArtifactStore:
 
 
 def _prepare(cfg: RunConfig, source_toml: str, resume: bool, store, ckpt, manifest, mesh) -> Run:
-    fp = fingerprint(cfg, manifest_fingerprint=manifest.fingerprint, tokenizer_id=manifest.tokenizer.id)
+    fp = fingerprint(
+        cfg, manifest_fingerprint=manifest.fingerprint, tokenizer_id=manifest.tokenizer.id
+    )
     total_steps = cfg.training.total_steps
     start_step = ckpt.resolve("latest") if resume else 0
     if resume:
@@ -120,7 +122,9 @@ def _prepare(cfg: RunConfig, source_toml: str, resume: bool, store, ckpt, manife
     parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
     # The optimizer state's structure does not depend on the schedule length, so the shardings
     # can come from a provisional optimizer before a resumed run learns its decay_steps.
-    provisional, _ = build_optimizer(cfg.optimizer, cfg.optimizer.schedule.decay_steps or total_steps)
+    provisional, _ = build_optimizer(
+        cfg.optimizer, cfg.optimizer.schedule.decay_steps or total_steps
+    )
     o_sh = opt_state_shardings(provisional, parts.params, parts.param_shardings, mesh)
     rep = replicated(mesh)
     data_state = None
@@ -130,7 +134,9 @@ def _prepare(cfg: RunConfig, source_toml: str, resume: bool, store, ckpt, manife
             jax.eval_shape(provisional.init, parts.params),
             o_sh,
         )
-        params, opt_state, meta = ckpt.restore(start_step, params_target=parts.params, opt_state_target=abstract_opt)
+        params, opt_state, meta = ckpt.restore(
+            start_step, params_target=parts.params, opt_state_target=abstract_opt
+        )
         rng = jax.device_put(np.asarray(meta["rng"], dtype=np.uint32), rep)
         decay_steps = int(meta["decay_steps"])
         saved = meta["data_state"]
@@ -150,17 +156,8 @@ def _prepare(cfg: RunConfig, source_toml: str, resume: bool, store, ckpt, manife
     state_sh = {"params": parts.param_shardings, "opt_state": o_sh, "step": rep, "rng": rep}
 
     t = cfg.training
-    batches = TokenBatches(
-        manifest,
-        split="train",
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        accum=t.gradient_accumulation_steps,
-        order=cfg.data.order,
-        seed=cfg.run.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        prefetch=cfg.data.prefetch,
+    batches = train_batches(
+        manifest, cfg.data, t, cfg.run.seed, jax.process_index(), jax.process_count()
     )
     b_sh = batch_sharding(mesh, 3, leading=1)
     step_fn = jax.jit(
@@ -197,7 +194,7 @@ def train(
     t_start = time.perf_counter()
     store = _open_run(cfg, resume)
     manifest = ensure_manifest(cfg.data)
-    check_data_fits(cfg, manifest)
+    check_for_run(manifest, cfg.data, cfg.model.vocab_size)
     mesh = build_mesh(cfg.mesh)
     ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     try:
@@ -206,7 +203,9 @@ def train(
         ckpt.close()
         raise
     if resume:
-        emit(f"resumed {cfg.run.id} from checkpoint {run.start_step}; training to step {cfg.training.total_steps}")
+        emit(
+            f"resumed {cfg.run.id} from checkpoint {run.start_step}; training to step {cfg.training.total_steps}"
+        )
     stop = StopRequest()
     stop.install()
     step = run.start_step
@@ -245,16 +244,22 @@ def _loop(run: Run, stop: StopRequest, max_steps: int | None, emit, t_start: flo
                 # The first step of an attempt includes compilation: time it alone, then start
                 # the throughput clock, so tokens/s measures steady-state steps only.
                 jax.block_until_ready(m)
-                run.art.event("first_step", step=step, seconds_since_start=time.perf_counter() - t_start)
+                run.art.event(
+                    "first_step", step=step, seconds_since_start=time.perf_counter() - t_start
+                )
                 meter.mark(step)
             run.ckpt.poll()
             last = step == end_step or stop.signum is not None
             eval_now = t.eval_every > 0 and step % t.eval_every == 0 and step < total_steps
-            save_now = cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0 and step < total_steps
+            save_now = (
+                cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0 and step < total_steps
+            )
             if step % t.log_every == 0 or last or eval_now or save_now:
                 last_row = run.art.flush_train_rows(pending, meter, emit) or last_row
                 pending = []
-            eval_metrics = run.evaluator.run(run.state["params"], step, run.art, emit) if eval_now else None
+            eval_metrics = (
+                run.evaluator.run(run.state["params"], step, run.art, emit) if eval_now else None
+            )
             if save_now:
                 _save(run, step, eval_metrics)
             if eval_now or save_now:
@@ -268,19 +273,30 @@ def _loop(run: Run, stop: StopRequest, max_steps: int | None, emit, t_start: flo
         if cfg.checkpoint.on_signal:
             _save(run, step, None)
             run.ckpt.wait()
-        emit(f"{name} received: stopped at step {step}" + (", checkpoint saved" if cfg.checkpoint.on_signal else ""))
-        summary = run.art.finish("interrupted", step, last_row, run.ckpt.read_index(), wall, signal=name)
+        emit(
+            f"{name} received: stopped at step {step}"
+            + (", checkpoint saved" if cfg.checkpoint.on_signal else "")
+        )
+        summary = run.art.finish(
+            "interrupted", step, last_row, run.ckpt.read_index(), wall, signal=name
+        )
         return TrainResult("interrupted", EXIT_RESTARTABLE, summary)
     if step < total_steps:  # --max-steps reached
         _save(run, step, None)
         run.ckpt.wait()
-        emit(f"stopped after {step - run.start_step} steps (--max-steps) at step {step}, checkpoint saved")
+        emit(
+            f"stopped after {step - run.start_step} steps (--max-steps) at step {step}, checkpoint saved"
+        )
         summary = run.art.finish("stopped", step, last_row, run.ckpt.read_index(), wall)
         return TrainResult("stopped", 0, summary)
-    eval_metrics = run.evaluator.run(run.state["params"], step, run.art, emit) if cfg.evals else None
+    eval_metrics = (
+        run.evaluator.run(run.state["params"], step, run.art, emit) if cfg.evals else None
+    )
     _save(run, step, eval_metrics)
     run.ckpt.wait()
-    summary = run.art.finish("completed", step, last_row, run.ckpt.read_index(), time.perf_counter() - t_start)
+    summary = run.art.finish(
+        "completed", step, last_row, run.ckpt.read_index(), time.perf_counter() - t_start
+    )
     return TrainResult("completed", 0, summary)
 
 
@@ -296,5 +312,11 @@ def _save(run: Run, step: int, eval_metrics: dict[str, float] | None) -> None:
         "config": resolved_dict(run.cfg),
     }
     metrics = {"val_loss": eval_metrics[run.cfg.evals[0].name]} if eval_metrics else None
-    if run.ckpt.save(step, params=run.state["params"], opt_state=run.state["opt_state"], meta=meta, metrics=metrics):
+    if run.ckpt.save(
+        step,
+        params=run.state["params"],
+        opt_state=run.state["opt_state"],
+        meta=meta,
+        metrics=metrics,
+    ):
         run.art.event("checkpoint", step=step, metrics=metrics)

@@ -24,14 +24,19 @@ State = dict[str, Any]
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
 
-def _loss_sums(graphdef: nnx.GraphDef, others: tuple, params: Any, mb: Batch) -> tuple[jax.Array, jax.Array]:
+def _loss_sums(
+    graphdef: nnx.GraphDef, others: tuple, params: Any, mb: Batch
+) -> tuple[jax.Array, jax.Array]:
     model = nnx.merge(graphdef, params, *others)
     logits = model(mb["inputs"], mb["positions"], mb["segment_ids"])
     return cross_entropy_sums(logits, mb["targets"], mb["loss_mask"])
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef, others: tuple, tx: optax.GradientTransformation, schedule: optax.Schedule
+    graphdef: nnx.GraphDef,
+    others: tuple,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
 ) -> Callable[[State, Batch], tuple[State, dict[str, jax.Array]]]:
     # Differentiate the loss *sum*; the token count rides along as aux.
     grad_fn = jax.value_and_grad(partial(_loss_sums, graphdef, others), has_aux=True)
@@ -61,13 +66,20 @@ def make_train_step(
             "param_norm": optax.tree.norm(new_params),
             "lr": schedule(state["step"]),
         }
-        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}
+        new_state = {
+            "params": new_params,
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+            "rng": rng,
+        }
         return new_state, metrics
 
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, others: tuple) -> Callable[[Any, Batch], dict[str, jax.Array]]:
+def make_eval_step(
+    graphdef: nnx.GraphDef, others: tuple
+) -> Callable[[Any, Batch], dict[str, jax.Array]]:
     """Loss sums over one [accum, rows, seq_len] batch (accum is 1 for evals)."""
 
     def eval_step(params: Any, batch: Batch) -> dict[str, jax.Array]:

@@ -24,7 +24,9 @@ def write_text_corpus(folder: Path, docs: int = 24) -> Path:
     text = "\n".join(sources)
     step = max(len(text) // docs, 200)
     for i in range(docs):
-        (folder / f"doc-{i:03d}.txt").write_text(text[i * step : (i + 1) * step] or "empty document")
+        (folder / f"doc-{i:03d}.txt").write_text(
+            text[i * step : (i + 1) * step] or "empty document"
+        )
     return folder
 
 
@@ -63,7 +65,9 @@ def write_config(path: Path, cfg: dict) -> Path:
     return path
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """The `runtime` CLI in a subprocess, exactly as a user runs it."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(

@@ -42,7 +42,9 @@ def world(tmp_path_factory, prepared, corpus_dir):
     from runtime.train import train
 
     root = tmp_path_factory.mktemp("bad")
-    base = tiny_config(prepared, str(root / "runs"), run_id="base", training={"target_tokens": 16 * 8 * 2})
+    base = tiny_config(
+        prepared, str(root / "runs"), run_id="base", training={"target_tokens": 16 * 8 * 2}
+    )
     train(parse_run_config(base), "", resume=False, emit=lambda _l: None)
     other = root / "other"
     (other / "in").mkdir(parents=True)
@@ -71,25 +73,55 @@ def _cfg(world, tmp_path, name="x", **over) -> str:
 
 # (case, how to build the command, a phrase the one sentence must contain)
 FRESH_CASES = {
-    "toml syntax": (lambda w, t: ["config", "check", _toml(t, "[run\nid = 1")], "TOML syntax error"),
-    "unknown key": (lambda w, t: ["local", _cfg(w, t, training={"sq_len": 4})], "training.sq_len: unknown key"),
-    "wrong type": (lambda w, t: ["local", _cfg(w, t, model={"hidden_size": "big"})], "model.hidden_size"),
+    "toml syntax": (
+        lambda w, t: ["config", "check", _toml(t, "[run\nid = 1")],
+        "TOML syntax error",
+    ),
+    "unknown key": (
+        lambda w, t: ["local", _cfg(w, t, training={"sq_len": 4})],
+        "training.sq_len: unknown key",
+    ),
+    "wrong type": (
+        lambda w, t: ["local", _cfg(w, t, model={"hidden_size": "big"})],
+        "model.hidden_size",
+    ),
     "zero size": (lambda w, t: ["local", _cfg(w, t, model={"num_layers": 0})], "model.num_layers"),
-    "negative size": (lambda w, t: ["local", _cfg(w, t, training={"global_batch_size": -8})],
-                      "training.global_batch_size"),
-    "seq_len too long": (lambda w, t: ["local", _cfg(w, t, training={"seq_len": 128})],
-                         "max_position_embeddings"),
-    "mesh misfit": (lambda w, t: ["local", _cfg(w, t, mesh={"data": 2})], "mesh.data x mesh.fsdp x mesh.tensor"),
-    "manifest missing": (lambda w, t: ["local", _cfg(w, t, data={"manifest": str(t / "none/manifest.json")})],
-                         "does not exist"),
-    "manifest corrupt": (lambda w, t: ["local", _cfg(w, t, data={"manifest": w["corrupt"]})], "manifest"),
-    "tokenizer mismatch": (lambda w, t: ["local", _cfg(w, t, data={"tokenizer": w["tokenizer"]})],
-                           "data.tokenizer"),
-    "vocab too small": (lambda w, t: ["local", _cfg(w, t, model={"vocab_size": 100})], "model.vocab_size"),
-    "output not writable": (lambda w, t: ["local", _cfg(w, t, run={"output_uri": w["blocker"] + "/runs"})],
-                            "writ"),
-    "resume without checkpoint": (lambda w, t: ["local", "--resume", _cfg(w, t, name="fresh")],
-                                  "no committed checkpoint"),
+    "negative size": (
+        lambda w, t: ["local", _cfg(w, t, training={"global_batch_size": -8})],
+        "training.global_batch_size",
+    ),
+    "seq_len too long": (
+        lambda w, t: ["local", _cfg(w, t, training={"seq_len": 128})],
+        "max_position_embeddings",
+    ),
+    "mesh misfit": (
+        lambda w, t: ["local", _cfg(w, t, mesh={"data": 2})],
+        "mesh.data x mesh.fsdp x mesh.tensor",
+    ),
+    "manifest missing": (
+        lambda w, t: ["local", _cfg(w, t, data={"manifest": str(t / "none/manifest.json")})],
+        "does not exist",
+    ),
+    "manifest corrupt": (
+        lambda w, t: ["local", _cfg(w, t, data={"manifest": w["corrupt"]})],
+        "manifest",
+    ),
+    "tokenizer mismatch": (
+        lambda w, t: ["local", _cfg(w, t, data={"tokenizer": w["tokenizer"]})],
+        "data.tokenizer",
+    ),
+    "vocab too small": (
+        lambda w, t: ["local", _cfg(w, t, model={"vocab_size": 100})],
+        "model.vocab_size",
+    ),
+    "output not writable": (
+        lambda w, t: ["local", _cfg(w, t, run={"output_uri": w["blocker"] + "/runs"})],
+        "writ",
+    ),
+    "resume without checkpoint": (
+        lambda w, t: ["local", "--resume", _cfg(w, t, name="fresh")],
+        "no committed checkpoint",
+    ),
     "no such config": (lambda w, t: ["local", str(t / "missing.toml")], "no such config file"),
     "bad --set": (lambda w, t: ["config", "check", _cfg(w, t), "--set", "training"], "--set"),
 }
@@ -121,14 +153,22 @@ def test_bad_input_fails_clearly(case, world, tmp_path, capsys):
 RESUME_CASES = {
     "model shape": ({"model": {"hidden_size": 64}}, "compatibility.model.hidden_size"),
     "optimizer": ({"optimizer": {"lr": 1e-4}}, "compatibility.optimizer.lr"),
-    "schedule": ({"optimizer": {"schedule": {"kind": "linear"}}}, "compatibility.optimizer.schedule.kind"),
+    "schedule": (
+        {"optimizer": {"schedule": {"kind": "linear"}}},
+        "compatibility.optimizer.schedule.kind",
+    ),
     "data manifest": ("other", "compatibility.data.manifest"),
     "tokenizer": ("hf", "compatibility.data.tokenizer"),
     "seed": ({"run": {"seed": 7}}, "compatibility.run.seed"),
     "seq_len": ({"training": {"seq_len": 8}}, "compatibility.training.seq_len"),
-    "batch size": ({"training": {"global_batch_size": 4}}, "compatibility.training.global_batch_size"),
-    "accumulation": ({"training": {"gradient_accumulation_steps": 2}},
-                     "compatibility.training.gradient_accumulation_steps"),
+    "batch size": (
+        {"training": {"global_batch_size": 4}},
+        "compatibility.training.global_batch_size",
+    ),
+    "accumulation": (
+        {"training": {"gradient_accumulation_steps": 2}},
+        "compatibility.training.gradient_accumulation_steps",
+    ),
 }
 
 
@@ -155,7 +195,9 @@ def test_incompatible_resume_names_the_field(case, world, tmp_path, capsys):
 
 @pytest.mark.gcs
 def test_missing_bucket(world, tmp_path, capsys, gcs_bucket):
-    code, err = cli(capsys, "local", _cfg(world, tmp_path, run={"output_uri": "gs://no-such-bucket-xyz/runs"}))
+    code, err = cli(
+        capsys, "local", _cfg(world, tmp_path, run={"output_uri": "gs://no-such-bucket-xyz/runs"})
+    )
     assert code != 0
     line = _one_sentence(err)
     assert "no-such-bucket-xyz" in line and "does not exist" in line, line

@@ -24,12 +24,16 @@ from runs import ROOT
 def test_shipped_configs_validate(path: Path):
     cfg, _ = load_run_config(path)
     assert cfg.training.total_steps > 0
-    assert parse_run_config(__import__("tomllib").loads(to_toml(cfg))) == cfg  # serialise round trip
+    assert (
+        parse_run_config(__import__("tomllib").loads(to_toml(cfg))) == cfg
+    )  # serialise round trip
 
 
 def test_readme_reference_is_current():
     readme = (ROOT / "README.md").read_text()
-    assert readme_block() in readme, "README config reference is stale: run `python -m jobspec.docs --write`"
+    assert readme_block() in readme, (
+        "README config reference is stale: run `python -m jobspec.docs --write`"
+    )
 
 
 def test_smoke_resume_continues_smoke():
@@ -42,7 +46,9 @@ def test_smoke_resume_continues_smoke():
 
 
 def test_overrides_parse_toml_literals():
-    assert _overrides(("training.target_tokens=2000", "data.order=sequential", "model.tie_word_embeddings=false")) == {
+    assert _overrides(
+        ("training.target_tokens=2000", "data.order=sequential", "model.tie_word_embeddings=false")
+    ) == {
         "training": {"target_tokens": 2000},
         "data": {"order": "sequential"},
         "model": {"tie_word_embeddings": False},
@@ -67,7 +73,9 @@ def test_known_peaks(kind, name):
     assert found is not None and found[0] == name and found[1] > 1e14
 
 
-@pytest.mark.parametrize("kind", ["cpu", "TFRT_CPU_0", "NVIDIA GeForce RTX 4090", "Some Future Chip"])
+@pytest.mark.parametrize(
+    "kind", ["cpu", "TFRT_CPU_0", "NVIDIA GeForce RTX 4090", "Some Future Chip"]
+)
 def test_unknown_devices_get_no_peak(kind):
     assert peak_bf16_flops(kind) is None
 

@@ -14,7 +14,16 @@ pytestmark = pytest.mark.gcs
 
 def test_run_resume_and_inspect_on_gcs(tmp_path, corpus_dir, gcs_bucket):
     data = f"{gcs_bucket}/data/tiny"
-    prep = run_cli("data", "prepare", "--input", str(corpus_dir / "*.txt"), "--out", data, "--val-fraction", "0.1")
+    prep = run_cli(
+        "data",
+        "prepare",
+        "--input",
+        str(corpus_dir / "*.txt"),
+        "--out",
+        data,
+        "--val-fraction",
+        "0.1",
+    )
     assert prep.returncode == 0, prep.stderr
     check = run_cli("data", "check", f"{data}/manifest.json", "--deep", "--json")
     assert check.returncode == 0, check.stderr

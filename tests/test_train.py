@@ -93,12 +93,19 @@ def _one_update(model_cfg: ModelConfig, batches: TokenBatches, mesh):
         "rng": jax.random.PRNGKey(0),
     }
     before = jax.device_get(parts.params)
-    step_fn = jax.jit(make_train_step(parts.graphdef, parts.others, tx, optax.constant_schedule(1.0)))
+    step_fn = jax.jit(
+        make_train_step(parts.graphdef, parts.others, tx, optax.constant_schedule(1.0))
+    )
     b_sh = batch_sharding(mesh, 3, leading=1)
     shape = (batches.accum, batches.global_batch_size, batches.seq_len)
-    batch = {k: jax.make_array_from_process_local_data(b_sh, v, shape) for k, v in batches.read_step(0).items()}
+    batch = {
+        k: jax.make_array_from_process_local_data(b_sh, v, shape)
+        for k, v in batches.read_step(0).items()
+    }
     new_state, metrics = step_fn(state, batch)
-    update = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), jax.device_get(new_state["params"]), before)
+    update = jax.tree.map(
+        lambda a, b: np.asarray(a) - np.asarray(b), jax.device_get(new_state["params"]), before
+    )
     return jax.tree.leaves(update), jax.device_get(metrics)
 
 
@@ -126,7 +133,9 @@ def test_document_masks_isolate_documents(prepared):
     """A packed row's loss equals the sum of its documents' losses computed alone, and masked
     positions (the synthetic join into the next document) contribute nothing."""
     manifest = load_manifest(prepared)
-    batches = TokenBatches(manifest, "train", seq_len=48, global_batch_size=4, order="document_buffer", seed=1)
+    batches = TokenBatches(
+        manifest, "train", seq_len=48, global_batch_size=4, order="document_buffer", seed=1
+    )
     cfg = ModelConfig(vocab_size=260, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       intermediate_size=64, max_position_embeddings=64)  # fmt: skip
     model = Decoder(cfg, rngs=nnx.Rngs(params=0))
@@ -169,8 +178,12 @@ def test_eval_and_sample_from_checkpoint(tmp_path, prepared):
     ev = eval_checkpoint(run_dir, "best")
     assert ev["step"] == 20 and ev["results"][0]["token_count"] > 0
     assert Path(ev["path"]).is_file()
-    s1 = sample_checkpoint(run_dir, "latest", [72, 101], max_new_tokens=8, temperature=1.0, top_k=1, seed=0)
-    s2 = sample_checkpoint(run_dir, "20", [72, 101], max_new_tokens=8, temperature=1.0, top_k=1, seed=5)
+    s1 = sample_checkpoint(
+        run_dir, "latest", [72, 101], max_new_tokens=8, temperature=1.0, top_k=1, seed=0
+    )
+    s2 = sample_checkpoint(
+        run_dir, "20", [72, 101], max_new_tokens=8, temperature=1.0, top_k=1, seed=5
+    )
     assert s1["new_ids"] == s2["new_ids"] and len(s1["new_ids"]) <= 8
     assert json.loads(Path(s1["path"]).read_text())["new_ids"] == s1["new_ids"]
 
@@ -207,7 +220,9 @@ def test_sigterm_checkpoints_and_resumes(tmp_path, prepared):
 
 
 def test_existing_run_is_not_overwritten(tmp_path, prepared):
-    cfg = tiny_config(prepared, str(tmp_path), run_id="keep", training={"target_tokens": 16 * 8 * 2})
+    cfg = tiny_config(
+        prepared, str(tmp_path), run_id="keep", training={"target_tokens": 16 * 8 * 2}
+    )
     _train(cfg, resume=False)
     before = (tmp_path / "keep/metrics/train.jsonl").read_text()
     path = write_config(tmp_path / "keep.toml", cfg)
@@ -225,7 +240,13 @@ def test_cli_inspect_config_and_preflight(tmp_path, prepared):
     assert info["tokens_per_step"] == 16 * 8 and info["total_steps"] == 4
     pre = run_cli("preflight", str(path), "--json")
     assert pre.returncode == 0, pre.stdout + pre.stderr
-    assert {c["name"] for c in json.loads(pre.stdout)["checks"]} >= {"devices", "mesh", "data", "output", "memory"}
+    assert {c["name"] for c in json.loads(pre.stdout)["checks"]} >= {
+        "devices",
+        "mesh",
+        "data",
+        "output",
+        "memory",
+    }
     assert run_cli("local", str(path)).returncode == 0
     ins = run_cli("inspect", str(tmp_path / "cli"), "--json")
     assert ins.returncode == 0, ins.stderr
@@ -247,9 +268,13 @@ def test_cli_inspect_config_and_preflight(tmp_path, prepared):
 
 @pytest.mark.parametrize("remat", ["block", "full"])
 def test_remat_trains_the_same(tmp_path, prepared, remat):
-    a = tiny_config(prepared, str(tmp_path), run_id="r-none", training={"target_tokens": 16 * 8 * 3})
+    a = tiny_config(
+        prepared, str(tmp_path), run_id="r-none", training={"target_tokens": 16 * 8 * 3}
+    )
     b = tiny_config(prepared, str(tmp_path), run_id=f"r-{remat}", training={"target_tokens": 16 * 8 * 3},
                     model={"remat": remat})  # fmt: skip
     _train(a, resume=False)
     _train(b, resume=False)
-    np.testing.assert_allclose(_losses(tmp_path / "r-none"), _losses(tmp_path / f"r-{remat}"), rtol=1e-5)
+    np.testing.assert_allclose(
+        _losses(tmp_path / "r-none"), _losses(tmp_path / f"r-{remat}"), rtol=1e-5
+    )

@@ -205,10 +205,17 @@ class MeshConfig(Section):
     tensor: PositiveInt = Field(
         1, description="Tensor-parallel devices (heads, MLP hidden, vocab)."
     )
+    slices: PositiveInt = Field(
+        1,
+        description=(
+            "Data-parallel groups across the slow (DCN) network: TPU slices, or groups of whole "
+            "hosts elsewhere; data/fsdp/tensor then describe one slice."
+        ),
+    )
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.slices * self.data * self.fsdp * self.tensor
 
 
 class EvalConfig(Section):
@@ -239,6 +246,17 @@ class ArtifactsConfig(Section):
     )
 
 
+class RuntimeConfig(Section):
+    """How hosts find each other and what counts as a lost host."""
+
+    boot_timeout_s: PositiveInt = Field(
+        300, description="Seconds a host waits for the coordinator (process 0) before giving up."
+    )
+    host_loss_timeout_s: PositiveInt = Field(
+        60, description="Seconds without a peer's heartbeat before the other hosts exit."
+    )
+
+
 class RunConfig(Section):
     run: RunSection
     model: ModelConfig
@@ -249,6 +267,7 @@ class RunConfig(Section):
     evals: list[EvalConfig] = []
     checkpoint: CheckpointConfig = CheckpointConfig()
     artifacts: ArtifactsConfig = ArtifactsConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:

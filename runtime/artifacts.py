@@ -18,6 +18,7 @@ import numpy as np
 from jobspec.accelerators import peak_bf16_flops
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
+from runtime import boot
 from runtime.flops import flops_per_token, parameter_counts
 from runtime.metrics import Throughput, live_line
 from runtime.store import ArtifactStore
@@ -71,13 +72,20 @@ def device_peak(devices: list) -> tuple[str | None, float | None]:
     return (found[0], found[1]) if found else (None, None)
 
 
-def runtime_diagnostics(cfg: RunConfig, mesh, manifest, batches) -> dict[str, Any]:
+def sharding_summary(param_shardings) -> dict[str, Any]:
+    """Each parameter's mesh PartitionSpec, by its path (a compact string per parameter)."""
+    flat = jax.tree_util.tree_flatten_with_path(param_shardings)[0]
+    return {jax.tree_util.keystr(path): str(sh.spec) for path, sh in flat}
+
+
+def runtime_diagnostics(cfg: RunConfig, mesh, manifest, batches, param_shardings) -> dict[str, Any]:
     devices = jax.devices()
     name, peak = device_peak(devices)
+    info = boot.current()
     return {
         "jax_version": jax.__version__,
         "backend": jax.default_backend(),
-        "boot": {"mode": "single-process"},
+        "boot": info.as_dict() if info else {"mode": "single-process"},
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
         "local_devices": [str(d) for d in jax.local_devices()],
@@ -86,6 +94,7 @@ def runtime_diagnostics(cfg: RunConfig, mesh, manifest, batches) -> dict[str, An
         "accelerator": name,
         "peak_bf16_flops_per_chip": peak,
         "mesh": {k: int(v) for k, v in mesh.shape.items()},
+        "param_shardings": sharding_summary(param_shardings),
         "model": {
             "parameters": parameter_counts(cfg.model),
             "flops_per_token": flops_per_token(cfg.model, cfg.training.seq_len),
@@ -138,6 +147,8 @@ class RunArtifacts:
         self.store.write_json("manifest.json", self._manifest)
 
     def start(self, *, resume: bool, start_step: int, total_steps: int, diagnostics: dict) -> None:
+        # Every host records how it booted and what it sees; host-global files are the writer's.
+        self.store.write_host_json("runtime.json", {"time": now(), **diagnostics})
         if not self.writer:
             return
         # Rows past the starting step are recomputed by this attempt (all of them for a fresh

@@ -350,7 +350,8 @@ def boot(
     import jax
 
     cpu = will_run_on_cpu()
-    cluster = None if contract.distributed else detect_cluster(env)
+    # An explicit contract, even of one process, wins over JAX's cluster detection.
+    cluster = None if contract.num_processes is not None else detect_cluster(env)
     collectives = None
     if (contract.distributed or cluster) and cpu:
         # Cross-process collectives on CPU need an implementation; gloo runs over TCP.
@@ -370,6 +371,9 @@ def boot(
                 "num_processes": n,
                 "process_id": i,
                 "heartbeat_timeout_seconds": heartbeat_timeout_s,
+                # Else JAX's SLURM/OMPI detection still fills local_device_ids (one GPU per
+                # process, [SLURM_LOCALID]) although we gave everything else.
+                "cluster_detection_method": "deactivate",
             },
             timeout_s=max(1, round(timeout_s - elapsed)),
             guard_message=(

@@ -85,6 +85,59 @@ def local_cmd(config: str, resume: bool, max_steps: int | None, sets: tuple[str,
     sys.exit(result.exit_code)
 
 
+@cli.command("worker")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option(
+    "--reshard",
+    is_flag=True,
+    help="Allow resuming onto a different process count or mesh (Orbax reshards the state).",
+)
+@click.option(
+    "--max-steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after this many steps of this attempt, with a checkpoint.",
+)
+@SET_OPTION
+def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[str, ...]) -> None:
+    """Run CONFIG as one host of a multi-host job: the entrypoint every backend starts.
+
+    Reads the env contract (JAXJOB_RUN_ID, JAXJOB_COORDINATOR, JAXJOB_NUM_PROCESSES,
+    JAXJOB_PROCESS_ID, JAXJOB_OUTPUT_URI, JAXJOB_ATTEMPT; JAX's SLURM/GKE detection where it is
+    absent), joins the cluster, agrees on the writer host, and trains; resumes from the latest
+    committed checkpoint when the run has one. Exit codes: 0 done, 2 bad config or input,
+    42 stopped by SIGTERM/SIGINT after a checkpoint (restart it), 43 a peer host was lost.
+    """
+    from runtime import boot, writer
+
+    contract = boot.BootContract.from_env()
+    identity = []
+    if contract.run_id:
+        identity.append(f"run.id={json.dumps(contract.run_id)}")
+    if contract.output_uri:
+        identity.append(f"run.output_uri={json.dumps(contract.output_uri)}")
+    cfg, source = _load(config, (*sets, *identity))
+    info = boot.boot(
+        timeout_s=cfg.runtime.boot_timeout_s,
+        # JAX's own abort must come after our watchdog's clearer exit.
+        heartbeat_timeout_s=cfg.runtime.host_loss_timeout_s + 30,
+    )
+    writer_index = writer.elect_writer(
+        info.attempt, run_id=cfg.run.id, timeout_s=cfg.runtime.boot_timeout_s
+    )
+    from runtime.train import train
+
+    click.echo(
+        f"host {info.process_index} of {info.process_count} ({info.mode}, attempt {info.attempt}, "
+        f"{info.local_device_count} local / {info.global_device_count} devices); writer is host {writer_index}"
+    )
+    result = train(
+        cfg, source, resume="auto", max_steps=max_steps, writer_index=writer_index, reshard=reshard
+    )
+    boot.shutdown()
+    sys.exit(result.exit_code)
+
+
 @cli.group("config")
 def config_group() -> None:
     """Check run configs and print their schema."""

@@ -23,7 +23,12 @@ def _flatten(prefix: str, obj: Any, out: dict[str, Any]) -> None:
         out[prefix] = obj
 
 
-def fingerprint(cfg: RunConfig, *, manifest_fingerprint: str, tokenizer_id: str) -> dict[str, Any]:
+TOPOLOGY = "topology."  # keys that may change only with --reshard
+
+
+def fingerprint(
+    cfg: RunConfig, *, manifest_fingerprint: str, tokenizer_id: str, process_count: int = 1
+) -> dict[str, Any]:
     raw = resolved_dict(cfg)
     out: dict[str, Any] = {}
     _flatten("model", {k: v for k, v in raw["model"].items() if k not in _MODEL_FREE}, out)
@@ -36,16 +41,31 @@ def fingerprint(cfg: RunConfig, *, manifest_fingerprint: str, tokenizer_id: str)
     out["training.seq_len"] = cfg.training.seq_len
     out["training.global_batch_size"] = cfg.training.global_batch_size
     out["training.gradient_accumulation_steps"] = cfg.training.gradient_accumulation_steps
+    out[f"{TOPOLOGY}process_count"] = process_count
+    _flatten(f"{TOPOLOGY}mesh", raw["mesh"], out)
     return out
 
 
-def check_compatible(saved: dict[str, Any], current: dict[str, Any], *, step: int) -> None:
-    """Raise CheckpointError naming the first field whose value differs from the checkpoint's."""
+def check_compatible(
+    saved: dict[str, Any], current: dict[str, Any], *, step: int, reshard: bool = False
+) -> None:
+    """Raise CheckpointError naming the first field whose value differs from the checkpoint's.
+
+    A different process count or mesh (same global batch) is allowed only with `reshard`:
+    Orbax then lays the arrays out for the new mesh and the data order continues unchanged.
+    """
     # The config's own order, tokenizer before manifest: a new tokenizer also changes the
     # manifest, and the tokenizer is the cause worth naming.
     keys = list(current) + [k for k in saved if k not in current]
     for key in keys:
         old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if old != new and key.startswith(TOPOLOGY):
+            if reshard:
+                continue
+            raise CheckpointError(
+                f"checkpoint {step} was written with {key.removeprefix(TOPOLOGY)} = {old!r} and this "
+                f"run has {new!r}; pass --reshard to restore it onto the new layout"
+            )
         if old != new:
             what = "content fingerprint" if key == "data.manifest" else "value"
             raise CheckpointError(

@@ -189,7 +189,9 @@ class HostWatchdog:
             try:
                 if not self._done:
                     count += 1
-                    client.key_value_set(f"{self.prefix}{self._me}", str(count), allow_overwrite=True)
+                    client.key_value_set(
+                        f"{self.prefix}{self._me}", str(count), allow_overwrite=True
+                    )
                 entries = client.key_value_dir_get(self.prefix)
             except Exception:  # unreachable service: the watch thread judges it
                 entries = None
@@ -231,10 +233,16 @@ class HostWatchdog:
         if client is not None and self._threads:
             client.key_value_set(f"{self.prefix}{self._me}", "done", allow_overwrite=True)
 
-    def explain_failure(self, wait_s: float | None = None) -> None:
-        """After a collective raised: give the watchdog time to name a lost host (it then ends
-        the process); returns if no host was declared lost within `wait_s`."""
-        if not self._threads:
+    def explain_failure(
+        self, exc: BaseException | None = None, wait_s: float | None = None
+    ) -> None:
+        """After the host loop raised `exc`: give the watchdog time to name a lost host (it then
+        ends the process); returns if none was declared lost within `wait_s` (default: the
+        timeout plus a little). Returns at once for errors that are no lost host: a JaxjobError
+        (one sentence for the user), KeyboardInterrupt, SystemExit."""
+        from jobspec.errors import JaxjobError
+
+        if not self._threads or isinstance(exc, JaxjobError | KeyboardInterrupt | SystemExit):
             return
         deadline = time.monotonic() + (wait_s if wait_s is not None else self.timeout_s + 5)
         while self.lost is None and time.monotonic() < deadline and not self._stop.is_set():

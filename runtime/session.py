@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from jobspec.run_config import DataConfig, ModelConfig
@@ -33,18 +34,25 @@ class ModelParts:
     param_shardings: Any
 
 
-def ensure_manifest(cfg: DataConfig) -> Manifest:
-    """Load the manifest; make it first when it is absent and `[data.prepare]` says how."""
-    fs, path = url_to_fs(cfg.manifest)
-    if not fs.exists(path) and cfg.prepare is not None:
-        out_dir = os.path.dirname(cfg.manifest.rstrip("/")) or "."
-        prepare_dataset(
-            cfg.prepare.inputs,
-            cfg.prepare.tokenizer,
-            out_dir,
-            val_fraction=cfg.prepare.val_fraction,
-            max_bytes=cfg.prepare.max_bytes,
-        )
+def ensure_manifest(cfg: DataConfig, *, is_writer: bool = True) -> Manifest:
+    """Load the manifest; make it first when it is absent and `[data.prepare]` says how.
+
+    Only the writer prepares; the other hosts wait for it at a barrier, so a multi-host job
+    prepares once (on storage every host reads: a shared path or gs://).
+    """
+    if cfg.prepare is not None:
+        fs, path = url_to_fs(cfg.manifest)
+        if is_writer and not fs.exists(path):
+            out_dir = os.path.dirname(cfg.manifest.rstrip("/")) or "."
+            prepare_dataset(
+                cfg.prepare.inputs,
+                cfg.prepare.tokenizer,
+                out_dir,
+                val_fraction=cfg.prepare.val_fraction,
+                max_bytes=cfg.prepare.max_bytes,
+            )
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxjob:data-prepared")
     return load_manifest(cfg.manifest)
 
 

@@ -11,15 +11,16 @@ import math
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jobspec.errors import ConfigError
 from jobspec.run_config import MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("slice", "data", "fsdp", "tensor")
 
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("slice", "data", "fsdp"),
     "vocab": "tensor",
     "embed": "fsdp",
     "heads": "tensor",
@@ -33,18 +34,42 @@ def build_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     if cfg.size != len(devices):
         raise ConfigError(
-            f"mesh.data x mesh.fsdp x mesh.tensor = {cfg.data} x {cfg.fsdp} x {cfg.tensor} = {cfg.size}, "
-            f"but this job has {len(devices)} device(s); make the product equal the device count"
+            f"mesh.slices x mesh.data x mesh.fsdp x mesh.tensor = {cfg.slices} x {cfg.data} x "
+            f"{cfg.fsdp} x {cfg.tensor} = {cfg.size}, but this job has {len(devices)} device(s); "
+            "make the product equal the device count"
         )
-    shape = (cfg.data, cfg.fsdp, cfg.tensor)
+    per_slice = (cfg.data, cfg.fsdp, cfg.tensor)
     # Auto axes: shardings are constraints for the compiler (GSPMD), not part of array types,
     # so model code stays free of mesh axes.
     auto = (AxisType.Auto,) * len(MESH_AXES)
-    try:
-        return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=auto)
-    except (ValueError, TypeError):
-        # make_mesh insists on physical topology for some shapes; a plain reshape is always valid.
-        return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+    if cfg.slices > 1:
+        grid = _slice_grid(cfg, devices, per_slice)
+    else:
+        try:
+            grid = mesh_utils.create_device_mesh(per_slice, devices=devices).reshape(
+                (1, *per_slice)
+            )
+        except (ValueError, AssertionError, NotImplementedError):
+            # No topology-aware layout for this shape: a plain reshape is always valid.
+            grid = np.asarray(devices).reshape((1, *per_slice))
+    return Mesh(grid, MESH_AXES, axis_types=auto)
+
+
+def _slice_grid(cfg: MeshConfig, devices: list, per_slice: tuple[int, int, int]) -> np.ndarray:
+    """The slice axis spans the slow network: JAX's hybrid mesh over TPU slices where devices
+    know their slice, else whole hosts grouped in process order."""
+    if all(hasattr(d, "slice_index") for d in devices):
+        return mesh_utils.create_hybrid_device_mesh(
+            per_slice, (cfg.slices, 1, 1), devices=devices
+        ).reshape((cfg.slices, *per_slice))
+    procs = sorted({d.process_index for d in devices})
+    if len(procs) % cfg.slices:
+        raise ConfigError(
+            f"mesh.slices = {cfg.slices} must divide the {len(procs)} host(s) of this job, since "
+            "without TPU slice information each slice is a group of whole hosts"
+        )
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return np.asarray(ordered).reshape((cfg.slices, *per_slice))
 
 
 def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:

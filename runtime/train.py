@@ -6,10 +6,9 @@ loop; host-global files go through the ArtifactStore, which only the writer may 
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -19,9 +18,10 @@ import numpy as np
 from jobspec.errors import CheckpointError, ConfigError
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
-from runtime import artifacts
+from runtime import artifacts, boot
 from runtime.checkpoint import CheckpointService, load_index
 from runtime.compat import check_compatible, fingerprint
+from runtime.coordination import HostWatchdog, StopAgreement
 from runtime.data.pipeline import TokenBatches, check_for_run, train_batches
 from runtime.evaluate import Evaluator
 from runtime.metrics import Throughput
@@ -34,27 +34,6 @@ from runtime.train_step import make_train_step
 
 # Exit code of a run stopped by SIGTERM/SIGINT after its final checkpoint: backends restart it.
 EXIT_RESTARTABLE = 42
-
-
-@dataclass
-class StopRequest:
-    """Set by the signal handler; the loop checks it between steps (never inside a step)."""
-
-    signum: int | None = None
-    previous: dict[int, Any] = field(default_factory=dict)
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        self.signum = signum
-        # A second Ctrl-C falls through to the default handler and stops at once.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 @dataclass
@@ -88,15 +67,21 @@ def _emit(line: str) -> None:
     print(line, flush=True)
 
 
-def _open_run(cfg: RunConfig, resume: bool) -> ArtifactStore:
+def _open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[ArtifactStore, bool]:
     """The run's store, after checking that starting or resuming is what the index allows.
 
     Reads checkpoints/index.json only; Orbax is not touched until the config and data are known
     to fit, so a bad input ends before any checkpoint machinery starts.
     """
-    store = ArtifactStore(join(cfg.run.output_uri, cfg.run.id), process_index=jax.process_index())
+    store = ArtifactStore(
+        join(cfg.run.output_uri, cfg.run.id),
+        process_index=jax.process_index(),
+        writer_index=writer_index,
+    )
     store.check_writable()
     has_ckpt = load_index(store).get("latest") is not None
+    if resume == "auto":  # a restarted attempt continues; a first attempt starts
+        return store, has_ckpt
     if not resume and has_ckpt:
         raise ConfigError(
             f"run {cfg.run.id!r} already has checkpoints at {store.uri('checkpoints')}; pass --resume "
@@ -107,17 +92,23 @@ def _open_run(cfg: RunConfig, resume: bool) -> ArtifactStore:
             f"--resume was given but {store.uri('checkpoints')} holds no committed checkpoint; "
             "run without --resume to start the run"
         )
-    return store
+    return store, bool(resume)
 
 
-def _prepare(cfg: RunConfig, source_toml: str, resume: bool, store, ckpt, manifest, mesh) -> Run:
+def _prepare(
+    cfg: RunConfig, source_toml: str, resume: bool, reshard: bool, store, ckpt, manifest, mesh
+) -> Run:
     fp = fingerprint(
-        cfg, manifest_fingerprint=manifest.fingerprint, tokenizer_id=manifest.tokenizer.id
+        cfg,
+        manifest_fingerprint=manifest.fingerprint,
+        tokenizer_id=manifest.tokenizer.id,
+        process_count=jax.process_count(),
     )
     total_steps = cfg.training.total_steps
     start_step = ckpt.resolve("latest") if resume else 0
     if resume:
-        check_compatible(ckpt.fingerprint(start_step), fp, step=start_step)  # before Orbax reads
+        # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.
+        check_compatible(ckpt.fingerprint(start_step), fp, step=start_step, reshard=reshard)
 
     parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
     # The optimizer state's structure does not depend on the schedule length, so the shardings
@@ -171,7 +162,9 @@ def _prepare(cfg: RunConfig, source_toml: str, resume: bool, store, ckpt, manife
         resume=resume,
         start_step=start_step,
         total_steps=total_steps,
-        diagnostics=artifacts.runtime_diagnostics(cfg, mesh, manifest, batches),
+        diagnostics=artifacts.runtime_diagnostics(
+            cfg, mesh, manifest, batches, parts.param_shardings
+        ),
     )
     return Run(
         cfg=cfg, store=store, ckpt=ckpt, art=art, batches=batches,
@@ -185,20 +178,27 @@ def train(
     cfg: RunConfig,
     source_toml: str,
     *,
-    resume: bool,
+    resume: bool | str,
     max_steps: int | None = None,
+    writer_index: int = 0,
+    reshard: bool = False,
     emit: Callable[[str], None] = _emit,
 ) -> TrainResult:
-    """Train to target_tokens (or `max_steps` more steps, then checkpoint and stop)."""
+    """Train to target_tokens (or `max_steps` more steps, then checkpoint and stop).
+
+    Every host of a job calls this with the same arguments after `boot.boot()`; `writer_index`
+    is the host that writes host-global files (agreed by `writer.elect_writer`). `resume="auto"`
+    continues from the latest committed checkpoint if there is one, else starts.
+    """
     configure_gcs_env()
     t_start = time.perf_counter()
-    store = _open_run(cfg, resume)
-    manifest = ensure_manifest(cfg.data)
+    store, resume = _open_run(cfg, resume, writer_index)
+    manifest = ensure_manifest(cfg.data, is_writer=store.is_writer)
     check_for_run(manifest, cfg.data, cfg.model.vocab_size)
     mesh = build_mesh(cfg.mesh)
     ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     try:
-        run = _prepare(cfg, source_toml, resume, store, ckpt, manifest, mesh)
+        run = _prepare(cfg, source_toml, resume, reshard, store, ckpt, manifest, mesh)
     except BaseException:
         ckpt.close()
         raise
@@ -206,12 +206,23 @@ def train(
         emit(
             f"resumed {cfg.run.id} from checkpoint {run.start_step}; training to step {cfg.training.total_steps}"
         )
-    stop = StopRequest()
+    info = boot.current()
+    stop = StopAgreement(run_id=cfg.run.id, attempt=info.attempt if info else 0)
     stop.install()
+    watchdog = HostWatchdog(
+        timeout_s=cfg.runtime.host_loss_timeout_s,
+        run_id=cfg.run.id,
+        attempt=info.attempt if info else 0,
+    )
+    watchdog.start()
     step = run.start_step
     try:
-        return _loop(run, stop, max_steps, emit, t_start)
+        result = _loop(run, stop, max_steps, emit, t_start)
+        watchdog.mark_done()
+        return result
     except BaseException as e:
+        # A collective that failed because a peer died: let the watchdog name the lost host.
+        watchdog.explain_failure(e)
         # What was committed stays; the failure is recorded; a half-save never becomes latest.
         run.art.fail(step, e)
         raise
@@ -220,7 +231,9 @@ def train(
         ckpt.close()
 
 
-def _loop(run: Run, stop: StopRequest, max_steps: int | None, emit, t_start: float) -> TrainResult:
+def _loop(
+    run: Run, stop: StopAgreement, max_steps: int | None, emit, t_start: float
+) -> TrainResult:
     cfg, t = run.cfg, run.cfg.training
     total_steps = t.total_steps
     end_step = total_steps if max_steps is None else min(total_steps, run.start_step + max_steps)
@@ -249,7 +262,8 @@ def _loop(run: Run, stop: StopRequest, max_steps: int | None, emit, t_start: flo
                 )
                 meter.mark(step)
             run.ckpt.poll()
-            last = step == end_step or stop.signum is not None
+            stopping = stop.should_stop(step)  # every host agrees on the same step
+            last = step == end_step or stopping
             eval_now = t.eval_every > 0 and step % t.eval_every == 0 and step < total_steps
             save_now = (
                 cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0 and step < total_steps
@@ -264,12 +278,12 @@ def _loop(run: Run, stop: StopRequest, max_steps: int | None, emit, t_start: flo
                 _save(run, step, eval_metrics)
             if eval_now or save_now:
                 meter.mark(step)  # eval and save time is not training throughput
-            if stop.signum is not None:
+            if stopping:
                 break
 
     wall = time.perf_counter() - t_start
-    if stop.signum is not None:
-        name = signal.Signals(stop.signum).name
+    if stop.stop_step is not None:
+        name = stop.reason or "signal"
         if cfg.checkpoint.on_signal:
             _save(run, step, None)
             run.ckpt.wait()

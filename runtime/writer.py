@@ -88,4 +88,3 @@ def _try_claim(client, key: str, me: int) -> bool:
         if "ALREADY_EXISTS" in str(e):
             return False  # someone else claimed first: read their claim back
         raise
-

@@ -217,5 +217,5 @@ def test_schema_lists_every_section():
     assert res.returncode == 0
     schema = json.loads(res.stdout)
     assert set(schema["properties"]) == {
-        "run", "model", "optimizer", "data", "training", "mesh", "evals", "checkpoint", "artifacts",
+        "run", "model", "optimizer", "data", "training", "mesh", "evals", "checkpoint", "artifacts", "runtime",
     }  # fmt: skip

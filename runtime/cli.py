@@ -122,6 +122,13 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
         # JAX's own abort must come after our watchdog's clearer exit.
         heartbeat_timeout_s=cfg.runtime.host_loss_timeout_s + 30,
     )
+    from runtime.hostlog import HostLogTee, log_uri
+    from runtime.storage import join
+
+    # Logs that outlive pods: every host's output goes to the run's own storage too.
+    HostLogTee(
+        log_uri(join(cfg.run.output_uri, cfg.run.id), info.attempt, info.process_index)
+    ).start()
     writer_index = writer.elect_writer(
         info.attempt, run_id=cfg.run.id, timeout_s=cfg.runtime.boot_timeout_s
     )

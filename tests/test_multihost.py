@@ -124,6 +124,9 @@ def test_one_writer_writes_what_one_process_writes(layouts):
         if "hosts/" not in p.as_posix()
     ]
     assert len(names) == len(set(names))
+    for i in range(4):  # every host's output is kept in the run's storage, not only on the host
+        log = (four / f"logs/attempt-0/host-{i}.log").read_text()
+        assert f"host {i} of 4" in log and f"step: {STEPS} " in log
     diag = json.loads((four / "diagnostics/runtime.json").read_text())
     assert diag["boot"]["mode"] == "contract" and diag["process_count"] == 4
     assert diag["boot"]["writer_index"] == 0 and diag["global_device_count"] == 4

@@ -1,0 +1,182 @@
+"""JobSpec: the `job.yaml` a user submits to any backend (local, slurm, k8s).
+
+Only this module and jobspec/load_job.py parse YAML. The run config it names is a RunConfig
+(cfg.toml), given as a path relative to the job.yaml or inline. Nothing here imports jax.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from jobspec.catalogue import Accelerator, lookup
+from jobspec.errors import ConfigError
+from jobspec.run_config import RunConfig
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Names whose literal values would put a credential into the spec (and the rendered manifests).
+SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_?KEY|PRIVATE_?KEY)", re.I)
+RESERVED_ENV = ("JAXJOB_", "JAX_COORDINATOR", "JAX_PLATFORMS")
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SecretRef(Spec):
+    """A value taken from a Kubernetes secret (or, on SLURM/local, from this shell's env)."""
+
+    secret: str = Field(description="Kubernetes secret name.")
+    key: str = Field(description="Key inside the secret.")
+
+
+class K8sSection(Spec):
+    namespace: str = Field("default", description="Namespace of the JobSet and ConfigMap.")
+    service_account: str | None = Field(None, description="Pod service account.")
+    queue: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
+    priority_class: str | None = Field(None, description="PriorityClass of the pods.")
+    node_selector: dict[str, str] = Field({}, description="Added to the accelerator's selectors.")
+    tolerations: list[dict] = Field([], description="Pod tolerations, as Kubernetes writes them.")
+    labels: dict[str, str] = Field({}, description="Extra labels on the JobSet and pods.")
+    annotations: dict[str, str] = Field({}, description="Extra annotations on the JobSet and pods.")
+    termination_grace_s: Annotated[int, Field(ge=30)] = Field(
+        300, description="SIGTERM to SIGKILL: time for the final checkpoint."
+    )
+    ttl_after_finished_s: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="Delete the JobSet this long after it finishes."
+    )
+
+
+class ContainerSection(Spec):
+    image: str = Field(description="Container image for srun --container-image (pyxis/enroot).")
+    mounts: list[str] = Field([], description="srun --container-mounts entries, SRC:DST.")
+
+
+class SlurmSection(Spec):
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = Field("01:00:00", description="Time limit, as sbatch --time takes it.")
+    constraint: str | None = None
+    cpus_per_task: Annotated[int, Field(gt=0)] | None = Field(None, description="CPUs per host task.")
+    setup: list[str] = Field([], description="Shell lines run before srun (module load, venv…).")
+    signal_grace_s: Annotated[int, Field(ge=10)] = Field(
+        120, description="SIGTERM this long before the time limit, so the run checkpoints."
+    )
+    container: ContainerSection | None = None
+
+
+class LocalSection(Spec):
+    processes: Annotated[int, Field(gt=0)] | None = Field(None, description="Host processes (default: hosts).")
+    devices_per_process: Annotated[int, Field(gt=0)] = Field(1, description="CPU devices per process.")
+
+
+class JobSpec(Spec):
+    name: str = Field(description="DNS-1123 label; the run id is the name plus a unique suffix.")
+    run_id: str | None = Field(None, description="Fixed run id (resubmitting resumes that run).")
+    image: str | None = Field(None, description="Container image (required by the k8s backend).")
+    run: str | dict = Field(description="Run config: a TOML path relative to this file, or inline.")
+    accelerator: str = Field("cpu", description="Catalogue name, e.g. cpu, tpu-v5e-16, h100-80gb.")
+    hosts: Annotated[int, Field(gt=0)] | None = Field(
+        None, description="Hosts per slice (TPU: fixed by the slice; GPU: nodes; cpu: processes)."
+    )
+    slices: Annotated[int, Field(gt=0)] = Field(1, description="TPU slices (multi-slice over DCN).")
+    output_uri: str | None = Field(None, description="Overrides run.output_uri (path or gs://).")
+    env: dict[str, str | SecretRef] = Field({}, description="Extra environment; secrets by reference.")
+    max_restarts: Annotated[int, Field(ge=0)] = Field(3, description="Restarts of the whole job.")
+    k8s: K8sSection = K8sSection()
+    slurm: SlurmSection = SlurmSection()
+    local: LocalSection = LocalSection()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if len(v) > 40 or not DNS_LABEL.match(v):
+            raise ValueError(
+                f"{v!r} is not a DNS-1123 label of at most 40 characters (lowercase letters, digits, "
+                "'-', starting and ending with a letter or digit)"
+            )
+        return v
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) > 63 or not DNS_LABEL.match(v)):
+            raise ValueError(f"{v!r} is not a DNS-1123 label (lowercase letters, digits, '-')")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str | SecretRef]) -> dict[str, str | SecretRef]:
+        for name, value in v.items():
+            if not ENV_NAME.match(name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+            if name.startswith(RESERVED_ENV):
+                raise ValueError(f"{name} is set by jaxjob itself (the env contract); remove it")
+            if isinstance(value, str) and SECRET_NAME.search(name):
+                raise ValueError(
+                    f"{name} looks like a secret but has a literal value; reference it instead: "
+                    f"{name}: {{secret: SECRET_NAME, key: KEY}}"
+                )
+        return v
+
+    @property
+    def catalogue(self) -> Accelerator:
+        return lookup(self.accelerator)
+
+    @model_validator(mode="after")
+    def _topology(self) -> JobSpec:
+        try:
+            acc = lookup(self.accelerator)
+        except ConfigError as e:  # reported with the file name, like every other field
+            raise ValueError(str(e)) from None
+        if self.slices > 1 and not acc.multi_slice:
+            raise ValueError(
+                f"slices: {self.slices} slices need a TPU accelerator; {acc.name} runs as one group of "
+                "hosts, so set hosts instead and remove slices"
+            )
+        if acc.hosts_per_slice is not None and self.hosts not in (None, acc.hosts_per_slice):
+            raise ValueError(
+                f"hosts: {acc.name} is {acc.hosts_per_slice} host(s) of {acc.chips_per_host} chips per "
+                f"slice, so hosts must be {acc.hosts_per_slice} (or unset), not {self.hosts}"
+            )
+        return self
+
+    @property
+    def hosts_per_slice(self) -> int:
+        acc = self.catalogue
+        return acc.hosts_per_slice or self.hosts or 1
+
+    @property
+    def total_hosts(self) -> int:
+        return self.hosts_per_slice * self.slices
+
+    def devices_per_host(self, backend: Literal["local", "slurm", "k8s"]) -> int:
+        if backend == "local":
+            return self.local.devices_per_process
+        return self.catalogue.chips_per_host
+
+    def host_processes(self, backend: Literal["local", "slurm", "k8s"]) -> int:
+        if backend == "local":
+            return self.local.processes or self.total_hosts
+        return self.total_hosts
+
+
+def check_mesh_fits(spec: JobSpec, run: RunConfig, backend: Literal["local", "slurm", "k8s"]) -> None:
+    """The run's mesh must use exactly the job's devices; said before anything is submitted."""
+    procs, per = spec.host_processes(backend), spec.devices_per_host(backend)
+    devices = procs * per
+    if run.mesh.size != devices:
+        m = run.mesh
+        raise ConfigError(
+            f"run.mesh: slices x data x fsdp x tensor = {m.slices} x {m.data} x {m.fsdp} x {m.tensor} = "
+            f"{m.size}, but this job has {procs} host(s) x {per} device(s) = {devices} on the "
+            f"{backend} backend; make the mesh product {devices}"
+        )
+    if run.mesh.slices != 1 and run.mesh.slices != spec.slices:
+        raise ConfigError(
+            f"run.mesh.slices is {run.mesh.slices} but the job has slices: {spec.slices}; make them equal"
+        )

@@ -1,0 +1,75 @@
+"""Loading job.yaml: safe YAML only, field-path errors, and the run config it names."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomli_w
+import yaml
+from pydantic import ValidationError
+
+from jobspec.errors import ConfigError
+from jobspec.job_spec import JobSpec
+from jobspec.load import describe_validation_error, merge, parse_run_config, read_toml
+from jobspec.run_config import RunConfig
+
+
+@dataclass(frozen=True)
+class LoadedJob:
+    spec: JobSpec
+    run: RunConfig  # with the spec's output_uri applied
+    run_toml: str  # the run config as the hosts will read it (cfg.toml)
+    spec_yaml: str  # the job spec as given
+    path: Path
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such job spec file")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a job spec is a mapping of keys (name, run, accelerator, …)")
+    return data
+
+
+def load_job(path: str | Path) -> LoadedJob:
+    p = Path(path)
+    text_data = _read_yaml(p)
+    try:
+        spec = JobSpec.model_validate(text_data)
+    except ValidationError as e:
+        raise ConfigError(describe_validation_error(e, JobSpec, str(p))) from None
+    if isinstance(spec.run, str):
+        run_path = (p.parent / spec.run) if not Path(spec.run).is_absolute() else Path(spec.run)
+        if not run_path.is_file():
+            raise ConfigError(f"{p}: run: run config {spec.run!r} not found (looked at {run_path})")
+        raw = read_toml(run_path)
+        source = str(run_path)
+    else:
+        raw, source = dict(spec.run), f"{p}: run"
+    if spec.output_uri is not None:
+        raw = merge(raw, {"run": {"output_uri": spec.output_uri}})
+    run = parse_run_config(raw, source)
+    return LoadedJob(spec, run, tomli_w.dumps(raw), p.read_text(), p)
+
+
+def run_with_id(job: LoadedJob, run_id: str) -> tuple[RunConfig, str]:
+    """The run config (and its TOML) with the run id every host will use."""
+    raw = merge(tomllib.loads(job.run_toml), {"run": {"id": run_id}})
+    return parse_run_config(raw, "run config"), tomli_w.dumps(raw)
+
+
+def job_schema() -> dict:
+    return JobSpec.model_json_schema()
+
+
+__all__ = ["LoadedJob", "load_job", "run_with_id", "job_schema", "read_toml"]

@@ -1,0 +1,1 @@
+"""The Kubernetes backend: JobSet rendering, submission, status and logs via the official client."""

@@ -1,0 +1,63 @@
+"""What every backend implements, and the facts a submission hands it.
+
+`launch` never imports jax: backends render and submit; the hosts run `runtime worker`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from jobspec.job_spec import JobSpec
+
+# Hosts' exit codes the backends treat as restartable (runtime/train.py, runtime/coordination.py):
+# 42 stopped by SIGTERM/SIGINT after a checkpoint, 43 a peer host was lost, 44 the cluster did not form.
+RESTARTABLE_EXIT_CODES = (42, 43, 44)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """Everything a backend needs to render or submit one run."""
+
+    spec: JobSpec
+    run_id: str  # DNS-1123 label, the JAXJOB_RUN_ID of every host
+    run_toml: str  # the run config every host reads (cfg.toml), run.id already set to run_id
+    spec_yaml: str  # the job spec as the user wrote it
+    output_uri: str  # run.output_uri (the run's artifacts are under <output_uri>/<run_id>)
+    workdir: Path  # where the job.yaml lives (relative paths resolve here)
+
+
+@dataclass
+class RenderedFile:
+    name: str  # file name inside the render directory, e.g. jobset.yaml, job.sbatch
+    content: str
+
+
+@dataclass
+class Handle:
+    """What the run registry stores for a submitted run (JSON-serialisable `data`)."""
+
+    backend: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    name: str
+
+    def render(self, sub: Submission) -> list[RenderedFile]:
+        """Exactly what submit would send; nothing is sent."""
+
+    def submit(self, sub: Submission) -> Handle: ...
+
+    def status(self, handle: Handle) -> dict[str, Any]:
+        """{"state": pending|running|succeeded|failed|cancelled|unknown, "detail": str, ...}."""
+
+    def logs(
+        self, handle: Handle, *, host: int | None, follow: bool, tail: int | None
+    ) -> Iterator[str]:
+        """Lines of every host's output (or one host's), each prefixed `[host N] `."""
+
+    def cancel(self, handle: Handle) -> None:
+        """Graceful: SIGTERM to every host first, so the runtime checkpoints."""

@@ -1,0 +1,99 @@
+"""Each host tees its stdout/stderr to `<run>/logs/attempt-<n>/host-<i>.log` through fsspec.
+
+Pods and their logs vanish on a JobSet restart or TTL; the run's own storage keeps them, so
+`launch logs` works afterwards. The tee works at the file-descriptor level, so output of C++
+libraries (XLA, gloo) is kept too. Locally the log is appended as it comes; on object stores
+(no append) the whole object is rewritten every few seconds and at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+
+from runtime.storage import is_remote, join, url_to_fs
+
+FLUSH_EVERY_S = 5.0
+
+
+def log_uri(run_root: str, attempt: int, process_index: int) -> str:
+    return join(run_root, f"logs/attempt-{attempt}/host-{process_index}.log")
+
+
+class HostLogTee:
+    """Duplicates fds 1 and 2 into a log file while they still reach the original outputs."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.fs, self.path = url_to_fs(uri)
+        self.remote = is_remote(uri)
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._last_flush = time.monotonic()
+        self._local = None
+        self._originals: dict[int, int] = {}
+        self._closed = False
+
+    def start(self) -> HostLogTee:
+        self.fs.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        if not self.remote:
+            self._local = open(self.path, "ab", buffering=0)  # noqa: SIM115 - kept open for the run
+        for fd in (1, 2):
+            original = os.dup(fd)
+            self._originals[fd] = original
+            r, w = os.pipe()
+            os.dup2(w, fd)
+            os.close(w)
+            t = threading.Thread(target=self._pump, args=(r, original), daemon=True, name=f"tee-{fd}")
+            t.start()
+            self._threads.append(t)
+        atexit.register(self.close)
+        return self
+
+    def _pump(self, r: int, original: int) -> None:
+        while True:
+            try:
+                chunk = os.read(r, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            os.write(original, chunk)
+            with self._lock:
+                if self._local is not None:
+                    self._local.write(chunk)
+                else:
+                    self._buf.extend(chunk)
+                    if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
+                        self._flush_remote()
+
+    def _flush_remote(self) -> None:
+        try:
+            self.fs.pipe_file(self.path, bytes(self._buf))
+            self._last_flush = time.monotonic()
+        except Exception:  # a log upload must never take the training run down with it
+            pass
+
+    def close(self) -> None:
+        """Put the original fds back, drain the pipes, write the rest of the log."""
+        if self._closed or not self._originals:
+            return
+        self._closed = True
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for fd, original in self._originals.items():
+            os.dup2(original, fd)  # closes the pipe's write end: its pump sees EOF and ends
+        for t in self._threads:
+            t.join(timeout=2.0)
+        with self._lock:
+            if self._local is not None:
+                self._local.close()
+            elif self.remote:
+                self._flush_remote()

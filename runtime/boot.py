@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.run_config import RUN_ID_RE
+from runtime import hostlog
 
 # The cluster did not form within the boot timeout (a peer never started or cannot reach the
 # coordinator). Transient more often than not, so backends may restart on it.
@@ -305,7 +306,7 @@ class _FormationGuard:
     def _run(self, deadline_s: float, message: str) -> None:
         if not self._done.wait(deadline_s):
             print(f"error: {message}", file=sys.stderr, flush=True)
-            os._exit(EXIT_CLUSTER_TIMEOUT)
+            hostlog.hard_exit(EXIT_CLUSTER_TIMEOUT)
 
     def __enter__(self) -> _FormationGuard:
         self._thread.start()

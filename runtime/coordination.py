@@ -32,7 +32,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from runtime import boot
+from runtime import boot, hostlog
 
 # A peer host stopped responding; this one exits so the backend can restart the job.
 EXIT_HOST_LOST = 43
@@ -258,4 +258,4 @@ class HostWatchdog:
 
 def _exit_host_lost(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
-    os._exit(EXIT_HOST_LOST)
+    hostlog.hard_exit(EXIT_HOST_LOST)

@@ -17,6 +17,15 @@ import time
 from runtime.storage import is_remote, join, url_to_fs
 
 FLUSH_EVERY_S = 5.0
+_active: list[HostLogTee] = []
+
+
+def hard_exit(code: int) -> None:
+    """os._exit for paths that must not wait for Python's shutdown (a lost host, a cluster that
+    never formed): drain the tee first, so the last message reaches the terminal and the log."""
+    for tee in list(_active):
+        tee.close()
+    os._exit(code)
 
 
 def log_uri(run_root: str, attempt: int, process_index: int) -> str:
@@ -52,6 +61,7 @@ class HostLogTee:
             t.start()
             self._threads.append(t)
         atexit.register(self.close)
+        _active.append(self)
         return self
 
     def _pump(self, r: int, original: int) -> None:
@@ -83,6 +93,8 @@ class HostLogTee:
         if self._closed or not self._originals:
             return
         self._closed = True
+        if self in _active:
+            _active.remove(self)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

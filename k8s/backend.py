@@ -1,0 +1,364 @@
+"""K8sBackend: a run is one ConfigMap and one JobSet; status, logs and cancel read them back.
+
+Rendering needs nothing but the job spec; the `kubernetes` package is imported only when the
+cluster is contacted, so `launch render --backend k8s` works without it.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from k8s.render import (
+    COMPLETION_INDEX_KEY,
+    CONTAINER,
+    COORDINATOR_PORT,
+    JOB_GLOBAL_INDEX_KEY,
+    JOBSET_NAME_KEY,
+    RESTART_ATTEMPT_KEY,
+    Manifests,
+    configmap_name,
+    render_manifests,
+    to_yaml,
+)
+from launch.backend import Handle, RenderedFile, Submission
+
+if TYPE_CHECKING:
+    from kubernetes import client as k8s_client
+
+    from k8s.client import K8sClient
+
+
+class K8sBackend:
+    name = "k8s"
+
+    def __init__(
+        self,
+        context: str | None = None,
+        namespace: str | None = None,
+        *,
+        api_client: k8s_client.ApiClient | None = None,
+        configuration: k8s_client.Configuration | None = None,
+        coordinator_port: int = COORDINATOR_PORT,
+        poll_s: float = 2.0,
+    ) -> None:
+        self.context = context
+        self.namespace = namespace  # overrides spec.k8s.namespace
+        self._api_client = api_client
+        self._configuration = configuration
+        self.coordinator_port = coordinator_port
+        self.poll_s = poll_s
+
+    # ---- render / submit ----------------------------------------------------------------------
+
+    def manifests(self, sub: Submission) -> Manifests:
+        return render_manifests(
+            sub, namespace=self.namespace, coordinator_port=self.coordinator_port
+        )
+
+    def render(self, sub: Submission) -> list[RenderedFile]:
+        m = self.manifests(sub)
+        return [
+            RenderedFile("configmap.yaml", to_yaml(m.configmap)),
+            RenderedFile("jobset.yaml", to_yaml(m.jobset)),
+        ]
+
+    def _client(self, context: str | None) -> tuple[K8sClient, str | None]:
+        from k8s.client import K8sClient, connect
+
+        if self._api_client is not None:
+            return K8sClient(self._api_client), context
+        api, used = connect(context, self._configuration)
+        return K8sClient(api), used
+
+    def _client_for(self, handle: Handle) -> K8sClient:
+        # The context the run was submitted to, so a later `kubectl config use-context` does not
+        # point status/logs/cancel at another cluster.
+        return self._client(handle.data.get("context") or self.context)[0]
+
+    def submit(self, sub: Submission) -> Handle:
+        from k8s.client import K8sError
+
+        m = self.manifests(sub)  # a ConfigError before anything reaches the cluster
+        c, context = self._client(self.context)
+        ns = m.jobset["metadata"]["namespace"]
+        cm_name = m.configmap["metadata"]["name"]
+        c.create_configmap(ns, m.configmap)
+        try:
+            created = c.create_jobset(ns, m.jobset)
+        except K8sError:
+            try:
+                c.delete_configmap(ns, cm_name)  # nothing half-submitted stays behind
+            except K8sError:
+                pass  # the JobSet's refusal is the error worth reporting
+            raise
+        try:
+            c.set_owner(ns, cm_name, created)
+        except (K8sError, KeyError):
+            pass  # only garbage collection is lost: cancel deletes the ConfigMap itself
+        return Handle(
+            self.name,
+            {
+                "namespace": ns,
+                "jobset": m.jobset["metadata"]["name"],
+                "context": context,
+                "output_uri": sub.output_uri,
+                "run_id": sub.run_id,
+            },
+        )
+
+    # ---- status -------------------------------------------------------------------------------
+
+    def status(self, handle: Handle) -> dict[str, Any]:
+        d = handle.data
+        c = self._client_for(handle)
+        js = c.get_jobset(d["namespace"], d["jobset"])
+        if js is None:
+            return status_without_jobset(d)
+        selector = f"{JOBSET_NAME_KEY}={d['jobset']}"
+        pods = c.list_pods(d["namespace"], selector)
+        jobs = c.list_jobs(d["namespace"], selector) if _conditions(js).get("Failed") else []
+        return summarise(js, pods, jobs)
+
+    # ---- logs ---------------------------------------------------------------------------------
+
+    def logs(
+        self, handle: Handle, *, host: int | None, follow: bool, tail: int | None
+    ) -> Iterator[str]:
+        d = handle.data
+        c = self._client_for(handle)
+        js = c.get_jobset(d["namespace"], d["jobset"])
+        selector = f"{JOBSET_NAME_KEY}={d['jobset']}"
+        pods = current_pods(js, c.list_pods(d["namespace"], selector)) if js else {}
+        if host is not None:
+            pods = {h: p for h, p in pods.items() if h == host}
+        if not pods:  # restarted, deleted or past its TTL: the run's own copy of the logs
+            yield from saved_logs(d["output_uri"], d["run_id"], host=host, tail=tail)
+            return
+        ns = d["namespace"]
+        if not follow:
+            for h, pod in sorted(pods.items()):
+                yield from self._pod_lines(c, ns, h, pod, follow=False, tail=tail)
+            return
+        yield from self._follow(c, ns, pods, tail)
+
+    def _pod_lines(
+        self, c: K8sClient, ns: str, h: int, pod: dict, *, follow: bool, tail: int | None
+    ) -> Iterator[str]:
+        from k8s.client import K8sError
+
+        name = pod["metadata"]["name"]
+        while True:
+            try:
+                for line in c.pod_log(ns, name, CONTAINER, follow=follow, tail=tail):
+                    yield f"[host {h}] {line}"
+                return
+            except K8sError as e:
+                # 400: the container has not started yet; following waits for it.
+                if not follow or e.status != 400:
+                    phase = (pod.get("status") or {}).get("phase", "Unknown")
+                    yield f"[host {h}] (no log from pod {name}, {phase}: {e})"
+                    return
+                time.sleep(self.poll_s)
+
+    def _follow(
+        self, c: K8sClient, ns: str, pods: dict[int, dict], tail: int | None
+    ) -> Iterator[str]:
+        """Every host's stream at once, interleaved as lines arrive."""
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def pump(h: int, pod: dict) -> None:
+            try:
+                for line in self._pod_lines(c, ns, h, pod, follow=True, tail=tail):
+                    lines.put(line)
+            finally:
+                lines.put(None)
+
+        for h, pod in sorted(pods.items()):
+            threading.Thread(target=pump, args=(h, pod), daemon=True, name=f"log-{h}").start()
+        open_streams = len(pods)
+        while open_streams:
+            line = lines.get()
+            if line is None:
+                open_streams -= 1
+            else:
+                yield line
+
+    # ---- cancel -------------------------------------------------------------------------------
+
+    def cancel(self, handle: Handle) -> None:
+        """Delete the JobSet in the foreground: every pod gets SIGTERM and its grace period to
+        checkpoint (the runtime exits 42); then the ConfigMap."""
+        d = handle.data
+        c = self._client_for(handle)
+        c.delete_jobset(d["namespace"], d["jobset"])
+        c.delete_configmap(d["namespace"], configmap_name(d["run_id"]))
+
+
+# ---- reading JobSet state (pure functions of the API objects) ----------------------------------
+
+
+def _conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    conds = (obj.get("status") or {}).get("conditions") or []
+    return {c["type"]: c for c in conds if c.get("status") == "True"}
+
+
+def _meta(pod: dict[str, Any], key: str) -> str | None:
+    m = pod.get("metadata") or {}
+    return (m.get("annotations") or {}).get(key) or (m.get("labels") or {}).get(key)
+
+
+def _hosts_per_slice(js: dict[str, Any]) -> int:
+    return int(js["spec"]["replicatedJobs"][0]["template"]["spec"]["completions"])
+
+
+def current_pods(js: dict[str, Any] | None, pods: list[dict[str, Any]]) -> dict[int, dict]:
+    """The pods of the JobSet's current restart attempt, by process id."""
+    if js is None:
+        return {}
+    attempt = str((js.get("status") or {}).get("restarts", 0))
+    per_slice = _hosts_per_slice(js)
+    out: dict[int, dict] = {}
+    for pod in pods:
+        slice_index, index = _meta(pod, JOB_GLOBAL_INDEX_KEY), _meta(pod, COMPLETION_INDEX_KEY)
+        if _meta(pod, RESTART_ATTEMPT_KEY) != attempt or slice_index is None or index is None:
+            continue
+        out[int(slice_index) * per_slice + int(index)] = pod
+    return out
+
+
+def _host_row(h: int, pod: dict[str, Any]) -> dict[str, Any]:
+    st = pod.get("status") or {}
+    row: dict[str, Any] = {"host": h, "pod": pod["metadata"]["name"], "phase": st.get("phase")}
+    for cs in st.get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        if "waiting" in state:
+            row["reason"] = state["waiting"].get("reason")
+        elif "terminated" in state:
+            term = state["terminated"]
+            row |= {"reason": term.get("reason"), "exit_code": term.get("exitCode")}
+            if term.get("message"):
+                row["message"] = term["message"]
+    return row
+
+
+def _first_failed_job_message(jobs: list[dict[str, Any]]) -> str | None:
+    failed = [(c.get("lastTransitionTime") or "", c) for j in jobs for c in _failed(j)]
+    return min(failed, key=lambda x: x[0])[1].get("message") if failed else None
+
+
+def _failed(job: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in ((job.get("status") or {}).get("conditions") or [])
+            if c.get("type") == "Failed" and c.get("status") == "True"]  # fmt: skip
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def summarise(
+    js: dict[str, Any], pods: list[dict[str, Any]], jobs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The Backend status dict from a JobSet, its pods and (when it failed) its Jobs."""
+    status = js.get("status") or {}
+    conds = _conditions(js)
+    spec = js["spec"]
+    total = _hosts_per_slice(js) * sum(int(r.get("replicas", 1)) for r in spec["replicatedJobs"])
+    hosts = [_host_row(h, p) for h, p in sorted(current_pods(js, pods).items())]
+    restarts = int(status.get("restarts", 0))
+    out: dict[str, Any] = {
+        "jobset": js["metadata"]["name"],
+        "attempt": restarts,
+        "restarts_counted": int(status.get("restartsCountTowardsMax", 0)),
+        "hosts": hosts,
+    }
+    running = sum(1 for h in hosts if h["phase"] == "Running")
+    if (js.get("metadata") or {}).get("deletionTimestamp"):
+        state, detail = (
+            "cancelled",
+            "the JobSet is being deleted; its pods got SIGTERM to checkpoint",
+        )
+    elif "Completed" in conds:
+        state, detail = "succeeded", conds["Completed"].get("message") or "all hosts finished"
+    elif "Failed" in conds:
+        c = conds["Failed"]
+        parts = [f"{c.get('reason')}: {c.get('message')}"]
+        job_message = _first_failed_job_message(jobs)
+        if job_message:
+            parts.append(job_message)  # names the pod and its exit code or condition
+        said = [h for h in hosts if h.get("message") and h.get("exit_code")]
+        if said:
+            parts.append(f"host {said[0]['host']} said: {_last_line(said[0]['message'])}")
+        state, detail = "failed", "; ".join(parts)
+    elif "Suspended" in conds:
+        state, detail = "pending", "suspended (waiting for admission by a queue such as Kueue)"
+    elif running:
+        state, detail = "running", f"{running} of {total} hosts running"
+    else:
+        waiting = sorted({h["reason"] for h in hosts if h.get("reason")})
+        detail = f"{len(hosts)} of {total} host pods created, none running yet"
+        state, detail = "pending", detail + (f" ({', '.join(waiting)})" if waiting else "")
+    if restarts and state in ("pending", "running"):
+        detail += f"; attempt {restarts} after {restarts} restart(s)"
+    return {"state": state, "detail": detail, **out}
+
+
+def status_without_jobset(d: dict[str, Any]) -> dict[str, Any]:
+    """The JobSet is gone (cancelled or past its TTL): the run's own summary says how it ended."""
+    from runtime.storage import join, url_to_fs
+
+    gone = (
+        f"JobSet {d['namespace']}/{d['jobset']} no longer exists (deleted, or removed by its TTL)"
+    )
+    uri = join(d["output_uri"], d["run_id"], "summaries/final.json")
+    try:
+        fs, path = url_to_fs(uri)
+        summary = json.loads(fs.cat_file(path)) if fs.exists(path) else None
+    except Exception as e:  # storage trouble must not hide what is known
+        return {"state": "unknown", "detail": f"{gone}; reading {uri} failed: {e}"}
+    if summary is None:
+        return {"state": "unknown", "detail": f"{gone}, and the run wrote no {uri}"}
+    state = {"completed": "succeeded", "interrupted": "cancelled"}.get(summary.get("status"))
+    return {
+        "state": state or "unknown",
+        "detail": f"{gone}; {uri} says {summary.get('status')} at step {summary.get('steps')}",
+    }
+
+
+def saved_logs(
+    output_uri: str, run_id: str, *, host: int | None, tail: int | None
+) -> Iterator[str]:
+    """Lines of the latest attempt's host logs that every runtime host tees to
+    `<output_uri>/<run_id>/logs/attempt-<n>/host-<i>.log`."""
+    from k8s.client import K8sError
+    from runtime.storage import join, url_to_fs
+
+    root = join(output_uri, run_id, "logs")
+    fs, path = url_to_fs(root)
+    attempts = sorted(
+        (int(n), p)
+        for p in (fs.ls(path, detail=False) if fs.exists(path) else [])
+        if (n := p.rstrip("/").rsplit("/attempt-", 1)[-1]).isdigit()
+    )
+    if not attempts:
+        raise K8sError(f"run {run_id} has no pods now and no saved logs under {root}")
+    _, latest = attempts[-1]
+    files = sorted(
+        (int(n), p)
+        for p in fs.ls(latest, detail=False)
+        if (n := p.rsplit("/host-", 1)[-1].removesuffix(".log")).isdigit()
+    )
+    for h, p in files:
+        if host is not None and h != host:
+            continue
+        lines = fs.cat_file(p).decode(errors="replace").splitlines()
+        for line in lines if tail is None else lines[max(0, len(lines) - tail) :]:
+            yield f"[host {h}] {line}"
+
+
+__all__ = ["K8sBackend", "current_pods", "saved_logs", "status_without_jobset", "summarise"]

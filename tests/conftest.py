@@ -176,4 +176,4 @@ def orbax_gs_run_uri(gcs_emulator: GcsEmulator, gs_run_uri: str) -> str:
 
 
 # Fixtures of the training suites (tiny corpus, prepared manifest) live in tests/runs.py.
-pytest_plugins = ("runs",)
+pytest_plugins = ("runs", "slurm_cluster")

@@ -1,0 +1,154 @@
+"""The slurm backend against real daemons (the `slurm_cluster` fixture): a 2-host CPU job trains
+to completion, and `cancel` makes the hosts checkpoint before the job ends.
+
+Both hosts run as two tasks on one node (`SlurmBackend(hosts_per_node=2)`, CPU only): the script
+derives the coordinator, process ids and world size from SLURM exactly as on a multi-node job.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+import yaml
+
+from jobspec.job_spec import JobSpec
+from launch.backend import Handle, Submission
+from launch.slurm import SlurmBackend, render_script
+
+from runs import read_jsonl, tiny_config
+
+pytestmark = pytest.mark.slow
+
+TERMINAL = ("succeeded", "failed", "cancelled", "unknown")
+
+
+def _submission(
+    tmp_path: Path, manifest: str, run_id: str, max_restarts: int, **over
+) -> Submission:
+    cfg = tiny_config(manifest, str(tmp_path / "runs"), run_id, mesh={"data": 2}, **over)
+    doc = {
+        "name": "slurm-test",
+        "run": cfg,
+        "accelerator": "cpu",
+        "hosts": 2,
+        "max_restarts": max_restarts,
+        "slurm": {"time": "00:10:00", "cpus_per_task": 1, "signal_grace_s": 30},
+    }
+    spec = JobSpec.model_validate(doc)
+    return Submission(
+        spec, run_id, tomli_w.dumps(cfg), yaml.safe_dump(doc), cfg["run"]["output_uri"], tmp_path
+    )
+
+
+@pytest.fixture
+def backend(slurm_cluster) -> SlurmBackend:
+    if slurm_cluster.cpus < 2:
+        pytest.skip(f"the SLURM node has {slurm_cluster.cpus} CPU(s); two hosts need 2")
+    # The tests' own interpreter, so the job runs the jaxjob under test whatever PATH says.
+    return SlurmBackend(
+        hosts_per_node=2, runtime_command=(sys.executable, "-m", "runtime.cli"), poll_s=0.5
+    )
+
+
+def _wait(
+    backend: SlurmBackend, handle: Handle, states: tuple[str, ...], timeout: float
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = backend.status(handle)
+        if st["state"] in states or time.monotonic() > deadline:
+            return st
+        time.sleep(0.5)
+
+
+def _explain(backend: SlurmBackend, handle: Handle) -> str:
+    batch = Path(handle.data["workdir"], "logs", "batch.log")
+    tail = "\n".join(list(backend.logs(handle, tail=15)))
+    return f"{backend.status(handle)}\n{batch.read_text() if batch.exists() else ''}\n{tail}"
+
+
+def test_two_hosts_train_to_completion(backend, prepared, tmp_path, monkeypatch):
+    sub = _submission(tmp_path, prepared, "slurm-train", max_restarts=0)
+    handle = backend.submit(sub, rundir=tmp_path / "rundir")
+    assert handle.backend == "slurm" and handle.data["job_id"].isdigit()
+    assert {"job.sbatch", "cfg.toml", "job.yaml"} <= {
+        p.name for p in (tmp_path / "rundir").iterdir()
+    }
+
+    st = _wait(backend, handle, TERMINAL, timeout=180)
+    assert st["state"] == "succeeded", _explain(backend, handle)
+
+    lines = list(backend.logs(handle))
+    for host in (0, 1):
+        mine = [ln for ln in lines if ln.startswith(f"[host {host}] ")]
+        assert any(f"host {host} of 2 (contract" in ln for ln in mine), lines
+    assert all(ln.startswith(("[host 0] ", "[host 1] ")) for ln in lines)
+    assert len(list(backend.logs(handle, host=1, tail=3))) == 3
+    followed = list(backend.logs(handle, host=0, follow=True))  # the job has ended: returns
+    assert followed == [ln for ln in lines if ln.startswith("[host 0] ")]
+
+    run_dir = tmp_path / "runs" / "slurm-train"
+    final = json.loads((run_dir / "summaries" / "final.json").read_text())
+    assert final["status"] == "completed"
+    runtime = json.loads((run_dir / "diagnostics" / "runtime.json").read_text())
+    boot = runtime["boot"]
+    assert boot["mode"] == "contract" and boot["process_count"] == 2, boot
+    port = 61440 + int(handle.data["job_id"]) % 4096  # the script's coordinator: first host
+    assert boot["coordinator"].endswith(f":{port}"), boot
+
+
+def test_cancel_checkpoints_then_ends_cancelled(backend, prepared, tmp_path):
+    long = {"target_tokens": 16 * 8 * 100_000}
+    # Restarts allowed: the hosts exit 42 (restartable), and the cancel must still not requeue.
+    sub = _submission(tmp_path, prepared, "slurm-cancel", max_restarts=2, training=long)
+    handle = backend.submit(sub, rundir=tmp_path / "rundir")
+    metrics = tmp_path / "runs" / "slurm-cancel" / "metrics" / "train.jsonl"
+    deadline = time.monotonic() + 150
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline, _explain(backend, handle)
+        assert backend.status(handle)["state"] in ("pending", "running"), _explain(backend, handle)
+        time.sleep(0.5)
+
+    backend.cancel(handle, grace_s=90)
+    st = _wait(backend, handle, TERMINAL, timeout=30)
+    assert st["state"] == "cancelled", _explain(backend, handle)
+    assert st.get("attempt", 0) == 0, st  # not requeued
+
+    events = [e["event"] for e in read_jsonl(tmp_path / "runs" / "slurm-cancel" / "events.jsonl")]
+    assert "interrupted" in events, events
+    codes = sorted(
+        p.read_text().strip() for p in (tmp_path / "rundir" / "exit" / "attempt-0").iterdir()
+    )
+    assert codes == ["42", "42"], _explain(backend, handle)
+
+
+def test_bad_input_fails_at_once_without_requeue(backend, prepared, tmp_path):
+    # Exit 2 (bad input) is not restartable, even with restarts allowed.
+    sub = _submission(tmp_path, str(tmp_path / "missing.json"), "slurm-bad", max_restarts=2)
+    handle = backend.submit(sub, rundir=tmp_path / "rundir")
+    st = _wait(backend, handle, TERMINAL, timeout=120)
+    assert st["state"] == "failed" and st["exit_code"] == 2, _explain(backend, handle)
+    assert st["attempt"] == 0 and "exited 2" in st["detail"], st
+
+
+def test_sbatch_reads_quoted_directives_as_written(slurm_cluster, prepared, tmp_path):
+    # sbatch's own directive parser (not a shell) must see the value the job spec gave.
+    odd = 'it\'s a "part" $(id) ; #x'
+    sub = _submission(tmp_path, prepared, "slurm-quote", max_restarts=0)
+    sub = Submission(
+        sub.spec.model_copy(update={"slurm": sub.spec.slurm.model_copy(update={"partition": odd})}),
+        sub.run_id, sub.run_toml, sub.spec_yaml, sub.output_uri, sub.workdir,
+    )  # fmt: skip
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_script(sub, tmp_path / "rundir"))
+    proc = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True)
+    assert proc.returncode != 0 and f"invalid partition specified: {odd}" in proc.stderr, (
+        proc.stderr
+    )

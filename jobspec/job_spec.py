@@ -67,6 +67,10 @@ class SlurmSection(Spec):
         120, description="SIGTERM this long before the time limit, so the run checkpoints."
     )
     container: ContainerSection | None = None
+    hosts_per_node: Annotated[int, Field(gt=0)] = Field(
+        1,
+        description="Host processes per node; above 1 only for CPU jobs (e.g. a one-node dev cluster).",
+    )
 
 
 class LocalSection(Spec):

@@ -396,12 +396,13 @@ class SlurmBackend:
     def __init__(
         self,
         *,
-        hosts_per_node: int = 1,
+        hosts_per_node: int | None = None,
         runtime_command: Sequence[str] = ("runtime",),
         cluster: str | None = None,
         poll_s: float = 1.0,
     ) -> None:
-        if hosts_per_node < 1:
+        # None: the job spec's slurm.hosts_per_node decides.
+        if hosts_per_node is not None and hosts_per_node < 1:
             raise ConfigError(f"hosts_per_node={hosts_per_node} must be at least 1")
         self.hosts_per_node = hosts_per_node
         self.runtime_command = tuple(runtime_command)
@@ -424,7 +425,7 @@ class SlurmBackend:
             sub,
             rd,
             cwd=cwd,
-            hosts_per_node=self.hosts_per_node,
+            hosts_per_node=self.hosts_per_node or sub.spec.slurm.hosts_per_node,
             runtime_command=self.runtime_command,
         )
         return [RenderedFile(SCRIPT, script), RenderedFile(CONFIG, sub.run_toml),

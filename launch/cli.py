@@ -1,0 +1,387 @@
+"""The `launch` command: submit a job spec to a backend, and follow, stop and list its runs.
+
+Every check of the job spec (YAML, fields, accelerator, topology, mesh fit) happens before a
+backend is asked to do anything. User mistakes end in one sentence on stderr and exit 2, never a
+traceback. Backends are imported by name on first use: `launch` never imports jax, and a backend
+whose module or client library is missing is an error naming it, not an ImportError.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from jobspec.errors import ConfigError, JaxjobError
+from jobspec.job_spec import check_mesh_fits
+from jobspec.load_job import job_schema, load_job, run_with_id
+from launch.backend import Backend, Submission
+from launch.registry import Registry, RunRecord, utc_now
+from launch.runid import new_run_id
+
+EXIT_USER_ERROR = 2
+EXIT_RUN_FAILED = 1  # `--wait`: the run ended failed or cancelled
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+# name: (module, class, pip extra that brings its client library)
+BACKENDS: dict[str, tuple[str, str, str | None]] = {
+    "local": ("launch.local", "LocalBackend", None),
+    "slurm": ("launch.slurm", "SlurmBackend", None),
+    "k8s": ("k8s.backend", "K8sBackend", "k8s"),
+}
+
+
+def get_backend(name: str, options: dict[str, Any] | None = None) -> Backend:
+    if name not in BACKENDS:
+        raise JaxjobError(f"unknown backend {name!r}; use one of {', '.join(BACKENDS)}")
+    module, cls, extra = BACKENDS[name]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        missing = e.name or "?"
+        if module == missing or module.startswith(f"{missing}."):
+            raise JaxjobError(
+                f"the {name} backend is not available in this installation ({module} is missing)"
+            ) from None
+        hint = f"; install it with pip install 'jaxjob[{extra}]'" if extra else ""
+        raise JaxjobError(
+            f"the {name} backend needs the Python package {missing!r}, which is not installed{hint}"
+        ) from None
+    factory = getattr(mod, cls, None)
+    if factory is None:
+        raise JaxjobError(f"the {name} backend is not available: {module} has no {cls}")
+    return factory(**(options or {}))
+
+
+def _backend_options(backend: str, context: str | None, namespace: str | None) -> dict[str, Any]:
+    if backend == "k8s":
+        return {"context": context, "namespace": namespace}
+    given = [f for f, v in (("--context", context), ("--namespace", namespace)) if v is not None]
+    if given:
+        verb = "applies" if len(given) == 1 else "apply"
+        raise JaxjobError(f"{' and '.join(given)} {verb} only to --backend k8s, not {backend}")
+    return {}
+
+
+def _is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def prepare_submission(job_path: str, backend: str, registry: Registry) -> Submission:
+    """Load and check everything, in the order a user's mistakes are most likely found."""
+    job = load_job(job_path)
+    spec = job.spec
+    run_id = spec.run_id or new_run_id(spec.name)
+    while spec.run_id is None and registry.exists(run_id):  # a fresh id never reuses a run
+        run_id = new_run_id(spec.name)
+    run, run_toml = run_with_id(job, run_id)
+    try:
+        check_mesh_fits(spec, run, backend)  # type: ignore[arg-type]
+    except ConfigError as e:  # the sentence names the field; add the file it is in
+        raise ConfigError(f"{job.path}: {e}") from None
+    output_uri = run.run.output_uri
+    # A relative path means "here" for processes on this machine or a shared filesystem
+    # (local, slurm); inside a k8s container it is the container's own, so it stays as written.
+    if not _is_remote(output_uri) and backend != "k8s":
+        output_uri = str(Path(output_uri.removeprefix("file://")).resolve())
+    return Submission(
+        spec=spec,
+        run_id=run_id,
+        run_toml=run_toml,
+        spec_yaml=job.spec_yaml,
+        output_uri=output_uri,
+        workdir=job.path.resolve().parent,
+    )
+
+
+def _print_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def _fmt_progress(p: dict[str, Any]) -> str:
+    if "error" in p:
+        return p["error"]
+    if p.get("note"):
+        return p["note"]
+    total = p.get("total_steps")
+    loss = p.get("last_loss")
+    out = f"step {p.get('step', 0)} / {total if total is not None else '?'}"
+    return out + (f", loss {loss:.4f}" if isinstance(loss, int | float) else "")
+
+
+def _status(rec: RunRecord) -> dict[str, Any]:
+    from launch.progress import read_progress
+
+    backend = get_backend(rec.backend, rec.backend_options)
+    st = backend.status(rec.to_handle())
+    return {
+        "run_id": rec.run_id,
+        "backend": rec.backend,
+        "state": st.get("state", "unknown"),
+        "detail": st.get("detail", ""),
+        "backend_status": st,
+        "progress": read_progress(rec.run_uri),
+        "run_uri": rec.run_uri,
+        "submitted": rec.submitted,
+        "job_path": rec.job_path,
+    }
+
+
+def _wait(backend: Backend, rec: RunRecord, stream: bool) -> dict[str, Any]:
+    handle = rec.to_handle()
+    if stream:
+        for line in backend.logs(handle, host=None, follow=True, tail=None):
+            click.echo(line)
+    while (st := backend.status(handle)).get("state") not in TERMINAL:
+        time.sleep(1.0)
+    return st
+
+
+BACKEND_OPTION = click.option(
+    "--backend",
+    type=click.Choice(list(BACKENDS)),
+    default="local",
+    show_default=True,
+    help="local: host processes on this machine; slurm: sbatch; k8s: a JobSet.",
+)
+CONTEXT_OPTION = click.option("--context", default=None, help="kube context (k8s only).")
+NAMESPACE_OPTION = click.option(
+    "--namespace", default=None, help="Namespace, overriding k8s.namespace (k8s only)."
+)
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """jaxjob launch: run a job spec (job.yaml) on this machine, SLURM or Kubernetes."""
+
+
+@cli.command("submit")
+@click.argument("job")
+@BACKEND_OPTION
+@CONTEXT_OPTION
+@NAMESPACE_OPTION
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Stream every host's output until the run ends; exit 0 if it succeeded, 1 if not.",
+)
+@JSON_OPTION
+def submit_cmd(
+    job: str,
+    backend: str,
+    context: str | None,
+    namespace: str | None,
+    wait: bool,
+    as_json: bool,
+) -> None:
+    """Check JOB (a job.yaml) and submit it; prints the run id and how to follow it."""
+    options = _backend_options(backend, context, namespace)
+    registry = Registry()
+    sub = prepare_submission(job, backend, registry)
+    impl = get_backend(backend, options)
+    run_dir = registry.run_dir(sub.run_id)
+    existed = run_dir.exists()
+    try:
+        handle = impl.submit(sub)
+        registry.prepare_run_dir(sub)
+    except BaseException:
+        if not existed:  # nothing was submitted: leave no trace in the registry
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    rec = RunRecord(
+        run_id=sub.run_id,
+        backend=backend,
+        handle=handle.data,
+        output_uri=sub.output_uri,
+        submitted=utc_now(),
+        job_path=str(Path(job).resolve()),
+        name=sub.spec.name,
+        backend_options=options,
+    )
+    registry.record(rec)
+    if not wait:
+        if as_json:
+            _print_json({"run_id": rec.run_id, "backend": backend, "handle": rec.handle,
+                         "run_uri": rec.run_uri, "run_dir": str(run_dir)})  # fmt: skip
+            return
+        r = rec.run_id
+        click.echo(f"submitted {r} to the {backend} backend (artifacts: {rec.run_uri})")
+        click.echo(f"  follow:  launch logs {r} --follow")
+        click.echo(f"  status:  launch status {r}")
+        click.echo(f"  cancel:  launch cancel {r}")
+        return
+    if not as_json:
+        click.echo(f"submitted {rec.run_id} to the {backend} backend; waiting for it", err=True)
+    try:
+        _wait(impl, rec, stream=not as_json)
+    except KeyboardInterrupt:
+        click.echo(
+            f"stopped waiting; {rec.run_id} goes on (launch cancel {rec.run_id} stops it)", err=True
+        )
+        sys.exit(130)
+    info = _status(rec)
+    if as_json:
+        _print_json(info)
+    else:
+        click.echo(
+            f"run {rec.run_id} {info['state']}: {info['detail']} ({_fmt_progress(info['progress'])})",
+            err=True,
+        )
+    sys.exit(0 if info["state"] == "succeeded" else EXIT_RUN_FAILED)
+
+
+@cli.command("render")
+@click.argument("job")
+@BACKEND_OPTION
+@CONTEXT_OPTION
+@NAMESPACE_OPTION
+@click.option(
+    "-o",
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write the files into this directory (default: print them).",
+)
+def render_cmd(
+    job: str, backend: str, context: str | None, namespace: str | None, out: str | None
+) -> None:
+    """Show exactly what `submit` would send for JOB; nothing is submitted."""
+    options = _backend_options(backend, context, namespace)
+    sub = prepare_submission(job, backend, Registry())
+    files = get_backend(backend, options).render(sub)
+    if out is None:
+        for f in files:
+            if len(files) > 1:
+                click.echo(f"# ==> {f.name} <==")
+            click.echo(f.content.rstrip("\n"))
+        return
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        (d / f.name).write_text(f.content)
+        click.echo(str(d / f.name))
+
+
+@cli.command("status")
+@click.argument("run")
+@JSON_OPTION
+def status_cmd(run: str, as_json: bool) -> None:
+    """The backend's state of RUN and its progress (step, loss, last event) from its artifacts."""
+    info = _status(Registry().lookup(run))
+    if as_json:
+        _print_json(info)
+        return
+    st = info["backend_status"]
+    click.echo(f"run         {info['run_id']}  ({info['backend']})")
+    click.echo(f"state       {info['state']}  {info['detail']}")
+    if "attempt" in st:
+        click.echo(
+            f"attempt     {st['attempt']}  ({st['restarts']} of {st['max_restarts']} restarts)"
+        )
+    click.echo(f"progress    {_fmt_progress(info['progress'])}")
+    event = info["progress"].get("last_event")
+    if event:
+        click.echo(f"last event  {event.get('event')} at {event.get('time')}")
+    click.echo(f"artifacts   {info['run_uri']}")
+
+
+@cli.command("logs")
+@click.argument("run")
+@click.option("--host", type=click.IntRange(min=0), default=None, help="Only this host's output.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the run ends.")
+@click.option(
+    "--tail", type=click.IntRange(min=0), default=None, help="Only the last K lines of each host."
+)
+def logs_cmd(run: str, host: int | None, follow: bool, tail: int | None) -> None:
+    """Every host's output of RUN (all attempts), each line prefixed `[host N] `."""
+    rec = Registry().lookup(run)
+    backend = get_backend(rec.backend, rec.backend_options)
+    try:
+        for line in backend.logs(rec.to_handle(), host=host, follow=follow, tail=tail):
+            click.echo(line)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+@cli.command("cancel")
+@click.argument("run")
+@click.option("--wait", is_flag=True, help="Return once the run has stopped.")
+def cancel_cmd(run: str, wait: bool) -> None:
+    """Stop RUN gracefully: every host gets SIGTERM, saves a checkpoint and exits."""
+    rec = Registry().lookup(run)
+    backend = get_backend(rec.backend, rec.backend_options)
+    handle = rec.to_handle()
+    state = backend.status(handle).get("state")
+    if state in TERMINAL:
+        click.echo(f"{rec.run_id} has already ended ({state}); nothing to cancel")
+        return
+    backend.cancel(handle)
+    if not wait:
+        click.echo(f"cancel sent to {rec.run_id}: its hosts checkpoint and stop")
+        return
+    while (st := backend.status(handle)).get("state") not in TERMINAL:
+        time.sleep(0.5)
+    click.echo(f"{rec.run_id} {st['state']}: {st.get('detail', '')}")
+
+
+@cli.command("list")
+@click.option(
+    "--status", "with_status", is_flag=True, help="Also ask each run's backend for its state."
+)
+@JSON_OPTION
+def list_cmd(with_status: bool, as_json: bool) -> None:
+    """Runs submitted from this machine, newest first."""
+    rows: list[dict[str, Any]] = []
+    for rec in Registry().list():
+        row = {"run_id": rec.run_id, "backend": rec.backend, "submitted": rec.submitted,
+               "run_uri": rec.run_uri, "job_path": rec.job_path}  # fmt: skip
+        if with_status:
+            try:
+                st = get_backend(rec.backend, rec.backend_options).status(rec.to_handle())
+                row["state"] = st.get("state", "unknown")
+            except JaxjobError as e:  # one unreachable cluster must not hide the other runs
+                row["state"] = f"unknown ({e})"
+        rows.append(row)
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        click.echo("no runs submitted from this machine yet")
+        return
+    for r in rows:
+        state = f"  {r['state']}" if with_status else ""
+        click.echo(f"{r['run_id']:<48} {r['backend']:<6} {r['submitted'][:19]}Z{state}")
+
+
+@cli.command("schema")
+def schema_cmd() -> None:
+    """Print the JSON Schema of job.yaml (for editors and validators)."""
+    _print_json(job_schema())
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="launch", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(EXIT_USER_ERROR)
+    except JaxjobError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The run registry: what `launch` submitted from this machine, so status/logs/cancel/list work.
+
+Layout under `$XDG_STATE_HOME/jaxjob/` (default `~/.local/state/jaxjob/`):
+
+    runs/<run_id>/record.json   the RunRecord (written last: a run without one was never submitted)
+    runs/<run_id>/cfg.toml      the run config the hosts read
+    runs/<run_id>/job.yaml      the job spec as the user wrote it
+    runs/<run_id>/...           whatever the backend keeps there (local: logs/, supervisor.json)
+
+Every JSON file is written to a temporary name and renamed, so a reader sees all of it or none.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import difflib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jobspec.errors import JaxjobError
+from launch.backend import Handle, Submission
+
+RECORD_FILE = "record.json"
+
+
+def state_root() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "jaxjob"
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)  # atomic on POSIX: readers never see a half-written file
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def read_json(path: Path) -> Any | None:
+    """The file's JSON, or None when it does not exist."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+@dataclass
+class RunRecord:
+    run_id: str
+    backend: str
+    handle: dict[str, Any]  # Handle.data: JobSet name + namespace, SLURM job id, local pid + logs
+    output_uri: str  # the run's artifacts are under <output_uri>/<run_id>
+    submitted: str  # ISO 8601, UTC
+    job_path: str
+    name: str = ""
+    backend_options: dict[str, Any] = field(default_factory=dict)  # e.g. k8s context, namespace
+
+    @property
+    def run_uri(self) -> str:
+        return f"{self.output_uri.rstrip('/')}/{self.run_id}"
+
+    def to_handle(self) -> Handle:
+        return Handle(self.backend, dict(self.handle))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunRecord:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+
+class Registry:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root if root is not None else state_root()
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.root / "runs"
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.runs_dir / run_id
+
+    def prepare_run_dir(self, sub: Submission) -> Path:
+        """The run's own folder with what the hosts read; backends may use it as their workdir."""
+        d = self.run_dir(sub.run_id)
+        write_text_atomic(d / "cfg.toml", sub.run_toml)
+        write_text_atomic(d / "job.yaml", sub.spec_yaml)
+        return d
+
+    def record(self, rec: RunRecord) -> None:
+        write_json_atomic(self.run_dir(rec.run_id) / RECORD_FILE, asdict(rec))
+
+    def get(self, run_id: str) -> RunRecord | None:
+        path = self.run_dir(run_id) / RECORD_FILE
+        try:
+            data = read_json(path)
+        except (OSError, ValueError) as e:
+            raise JaxjobError(
+                f"the registry entry {path} cannot be read ({e}); remove it"
+            ) from None
+        return None if data is None else RunRecord.from_dict(data)
+
+    def exists(self, run_id: str) -> bool:
+        return (self.run_dir(run_id) / RECORD_FILE).is_file()
+
+    def lookup(self, run_id: str) -> RunRecord:
+        """The record of `run_id`, or an error naming the closest run ids this machine knows."""
+        rec = self.get(run_id) if "/" not in run_id else None
+        if rec is not None:
+            return rec
+        known = [r.run_id for r in self.list()]
+        close = difflib.get_close_matches(run_id, known, n=3, cutoff=0.5)
+        # A job name is a prefix of its run ids: `launch status smoke` should find smoke-x1y2z3.
+        close += [k for k in known if k.startswith(f"{run_id}-") and k not in close][:3]
+        if close:
+            hint = f"; did you mean {', '.join(close)}?"
+        elif known:
+            hint = "; `launch list` shows the runs submitted from this machine"
+        else:
+            hint = f"; no run has been submitted from this machine yet (registry: {self.root})"
+        raise JaxjobError(f"unknown run id {run_id!r}{hint}")
+
+    def list(self) -> list[RunRecord]:
+        """Every recorded run, newest first."""
+        out = []
+        for path in self.runs_dir.glob(f"*/{RECORD_FILE}"):
+            try:
+                data = read_json(path)
+            except (OSError, ValueError):
+                continue  # an unreadable entry must not hide the others
+            if isinstance(data, dict) and "run_id" in data:
+                out.append(RunRecord.from_dict(data))
+        # Same-format UTC timestamps sort as strings; the run id breaks ties deterministically.
+        out.sort(key=lambda r: (r.submitted, r.run_id), reverse=True)
+        return out

@@ -1,0 +1,25 @@
+"""Run ids: `<job name>-<6 random [a-z0-9]>`, a DNS-1123 label every backend can use as a name."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import string
+
+SUFFIX_ALPHABET = string.ascii_lowercase + string.digits
+SUFFIX_LEN = 6
+MAX_LEN = 63  # DNS-1123 label
+_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def new_run_id(name: str) -> str:
+    """A fresh id for one submission of job `name` (36^6 ≈ 2e9 suffixes: collisions are rare,
+    and the registry refuses the rare one rather than mixing two runs)."""
+    suffix = "".join(secrets.choice(SUFFIX_ALPHABET) for _ in range(SUFFIX_LEN))
+    # JobSpec names are at most 40 characters; trimming keeps any other caller within 63.
+    stem = name[: MAX_LEN - SUFFIX_LEN - 1].rstrip("-")
+    return f"{stem}-{suffix}"
+
+
+def is_run_id(value: str) -> bool:
+    return len(value) <= MAX_LEN and bool(_LABEL.match(value))

@@ -1,0 +1,360 @@
+"""`launch` on the local backend: 2 host processes on this machine, run, restarted and cancelled
+exactly as a user does it (the CLI in a subprocess, the registry in a temporary XDG_STATE_HOME)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobspec.job_spec import check_mesh_fits
+from jobspec.load import merge
+from jobspec.load_job import load_job
+from launch import cli as launch_cli
+from launch.backend import Handle
+from launch.local import LocalBackend
+from launch.registry import Registry
+
+from runs import read_jsonl, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(*args: str, state: Path, timeout: float = 300, extra_env: dict | None = None):
+    env = {**os.environ, "XDG_STATE_HOME": str(state), **(extra_env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "launch.cli", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def write_job(tmp: Path, prepared: str, name: str, steps: int, **over) -> Path:
+    base = {"mesh": {"data": 2}, "training": {"target_tokens": 16 * 8 * steps}}
+    run = tiny_config(prepared, str(tmp / "runs"), run_id="ignored", **merge(base, over))
+    job = {"name": name, "hosts": 2, "max_restarts": 2, "run": run}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def submit(job: Path, state: Path, *args: str) -> str:
+    r = launch("submit", str(job), "--json", *args, state=state)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["run_id"]
+
+
+def status(run_id: str, state: Path) -> dict:
+    r = launch("status", run_id, "--json", state=state)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def supervisor_state(state: Path, run_id: str) -> dict | None:
+    path = state / "jaxjob" / "runs" / run_id / "supervisor.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def events(run_uri: str) -> list[dict]:
+    path = Path(run_uri) / "events.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
+def kill_leftovers(state: Path) -> None:
+    """A failed test must not leave a supervisor and its hosts training in the background."""
+    for path in (state / "jaxjob" / "runs").glob("*/supervisor.json"):
+        st = json.loads(path.read_text())
+        if st["state"] not in ("succeeded", "failed", "cancelled"):
+            try:
+                os.killpg(st["pid"], signal.SIGKILL)  # the supervisor leads its hosts' group
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def state(tmp_path):
+    s = tmp_path / "state"
+    yield s
+    kill_leftovers(s)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, prepared):
+    """One 2-process run submitted with --wait, shared by the read-only tests below."""
+    tmp = tmp_path_factory.mktemp("launch")
+    state = tmp / "state"
+    job = write_job(tmp, prepared, "tiny", steps=12, training={"log_every": 3})
+    t0 = time.monotonic()
+    r = launch("submit", str(job), "--wait", state=state)
+    kill_leftovers(state)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_id = Registry(state / "jaxjob").list()[0].run_id
+    return {"state": state, "run_id": run_id, "out": r, "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.slow
+def test_submit_wait_streams_both_hosts(finished):
+    out = finished["out"]
+    lines = out.stdout.splitlines()
+    assert lines and all(ln.startswith(("[host 0] ", "[host 1] ")) for ln in lines)
+    assert any(ln.startswith("[host 0] step: 12 ") for ln in lines)
+    assert any(ln.startswith("[host 1] step: 12 ") for ln in lines)
+    assert f"run {finished['run_id']} succeeded" in out.stderr
+
+
+@pytest.mark.slow
+def test_status_reports_succeeded_with_steps(finished):
+    st = status(finished["run_id"], finished["state"])
+    assert st["state"] == "succeeded"
+    assert st["progress"]["step"] == 12 == st["progress"]["total_steps"]
+    assert st["progress"]["last_event"]["event"] == "finish"
+    assert st["backend_status"]["restarts"] == 0
+    human = launch("status", finished["run_id"], state=finished["state"]).stdout
+    assert "succeeded" in human and "step 12 / 12" in human
+
+
+@pytest.mark.slow
+def test_logs_prefix_every_line_with_its_host(finished):
+    run_id, state = finished["run_id"], finished["state"]
+    lines = launch("logs", run_id, state=state).stdout.splitlines()
+    assert {ln.split("] ")[0] + "]" for ln in lines} == {"[host 0]", "[host 1]"}
+    only1 = launch("logs", run_id, "--host", "1", state=state).stdout.splitlines()
+    assert only1 and all(ln.startswith("[host 1] ") for ln in only1)
+    tail = launch("logs", run_id, "--tail", "2", state=state).stdout.splitlines()
+    assert sorted(ln[:8] for ln in tail) == ["[host 0]"] * 2 + ["[host 1]"] * 2
+    assert tail[-1].startswith("[host 1] ") and "step: 12" in tail[-1]
+    # --follow of a finished run prints everything and returns.
+    assert launch("logs", run_id, "--follow", state=state, timeout=30).stdout.splitlines() == lines
+
+
+@pytest.mark.slow
+def test_list_json_lists_the_run(finished):
+    rows = json.loads(launch("list", "--json", "--status", state=finished["state"]).stdout)
+    assert [(r["run_id"], r["backend"], r["state"]) for r in rows] == [
+        (finished["run_id"], "local", "succeeded")
+    ]
+
+
+@pytest.mark.slow
+def test_killed_host_restarts_group_and_resumes(tmp_path, prepared, state):
+    job = write_job(
+        tmp_path, prepared, "kill", steps=150,
+        training={"log_every": 10}, checkpoint={"every": 25, "keep": 2},
+        runtime={"host_loss_timeout_s": 5},
+    )  # fmt: skip
+    run_id = submit(job, state)
+    run_uri = status(run_id, state)["run_uri"]
+    # The `checkpoint` event is written when an async save starts; the index lists commits.
+    index = Path(run_uri) / "checkpoints" / "index.json"
+    wait_for(
+        lambda: index.exists() and json.loads(index.read_text()).get("latest"), 120, "a commit"
+    )
+    st = supervisor_state(state, run_id)
+    assert st["attempt"] == 0 and st["state"] == "running", st
+    os.kill(st["hosts"][1]["pid"], signal.SIGKILL)
+
+    final = wait_for(
+        lambda: (s := status(run_id, state))["state"] in ("succeeded", "failed") and s,
+        240,
+        "the restarted run to end",
+    )
+    assert final["state"] == "succeeded", final
+    assert final["backend_status"]["restarts"] == 1
+    assert final["progress"]["step"] == 150
+    kinds = [e["event"] for e in events(run_uri)]
+    assert kinds.count("resume") == 1 and kinds[-1] == "finish", kinds
+    resumed = next(e for e in events(run_uri) if e["event"] == "resume")
+    assert resumed["step"] >= 25  # from the checkpoint, not from scratch
+    logs = state / "jaxjob" / "runs" / run_id / "logs"
+    second = (logs / "attempt-1" / "host-0.log").read_text()
+    assert "JAXJOB_ATTEMPT=1" in second and "attempt 1," in second  # ours, then the runtime's
+    sup = supervisor_state(state, run_id)
+    assert sup["attempts"][0]["returncodes"][1] == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_cancel_checkpoints_and_ends_cancelled(tmp_path, prepared, state):
+    job = write_job(tmp_path, prepared, "stop", steps=2000, training={"log_every": 50})
+    run_id = submit(job, state)
+    run_uri = status(run_id, state)["run_uri"]
+    wait_for(lambda: any(e["event"] == "first_step" for e in events(run_uri)), 120, "step 1")
+    r = launch("cancel", run_id, "--wait", state=state, timeout=180)
+    assert r.returncode == 0, r.stderr
+    st = status(run_id, state)
+    assert st["state"] == "cancelled", st
+    assert [h["returncode"] for h in st["backend_status"]["hosts"]] == [42, 42]
+    assert events(run_uri)[-1]["event"] == "interrupted"
+    assert st["progress"]["status"] == "interrupted"
+    again = launch("cancel", run_id, state=state)
+    assert again.returncode == 0 and "already ended (cancelled)" in again.stdout
+
+
+# ---- the supervisor's restart policy, with stand-in hosts (no jax: fast) -----------------------
+
+
+def fake_run(tmp: Path, script: str, hosts: int = 2, max_restarts: int = 2) -> Path:
+    """A run dir whose plan starts `python -c script` as each host."""
+    run_dir = tmp / "run"
+    run_dir.mkdir()
+    cmd = [sys.executable, "-c", textwrap.dedent(script)]
+    plan = {
+        "run_id": "fake", "cwd": str(tmp), "max_restarts": max_restarts,
+        "grace_s": {"cancel": 5, "failure": 2},
+        "hosts": [{"index": i, "command": cmd, "env": {"JAXJOB_PROCESS_ID": str(i)},
+                   "env_from_shell": []} for i in range(hosts)],
+    }  # fmt: skip
+    (run_dir / "plan.json").write_text(json.dumps(plan))
+    return run_dir
+
+
+def supervise(run_dir: Path) -> tuple[int, dict]:
+    rc = subprocess.run(
+        [sys.executable, "-m", "launch.local", "supervise", str(run_dir)], cwd=ROOT, timeout=60
+    ).returncode
+    return rc, json.loads((run_dir / "supervisor.json").read_text())
+
+
+FLAKY = """
+    import os, sys, time
+    attempt, me = int(os.environ["JAXJOB_ATTEMPT"]), int(os.environ["JAXJOB_PROCESS_ID"])
+    print("attempt", attempt, "host", me, flush=True)
+    if attempt == 0 and me == 1:
+        sys.exit(43)
+    time.sleep(0.3)
+"""
+
+
+def test_supervisor_restarts_on_restartable_exit(tmp_path):
+    rc, st = supervise(fake_run(tmp_path, FLAKY))
+    assert rc == 0 and st["state"] == "succeeded" and st["restarts"] == 1
+    assert [a["outcome"] for a in st["attempts"]] == ["restart", "succeeded"]
+    assert st["attempts"][0]["returncodes"][1] == 43
+    log = (tmp_path / "run/logs/attempt-1/host-1.log").read_text()
+    assert "JAXJOB_ATTEMPT=1" in log and "attempt 1 host 1" in log
+
+
+def test_supervisor_fails_on_user_error_without_restart(tmp_path):
+    rc, st = supervise(fake_run(tmp_path, "import sys, time; time.sleep(0.2); sys.exit(2)"))
+    assert rc == 1 and st["state"] == "failed" and st["restarts"] == 0
+    assert "exit 2 (not restartable)" in st["detail"]
+
+
+def test_supervisor_gives_up_after_max_restarts(tmp_path):
+    rc, st = supervise(fake_run(tmp_path, "import sys; sys.exit(44)", max_restarts=2))
+    assert rc == 1 and st["state"] == "failed" and len(st["attempts"]) == 3
+    assert "all 2 restarts are used up" in st["detail"]
+
+
+def test_supervisor_stops_survivors_with_sigterm_then_sigkill(tmp_path):
+    # Host 0 dies by a signal; host 1 ignores SIGTERM and must be killed after the grace.
+    script = """
+        import os, signal, time
+        if os.environ["JAXJOB_PROCESS_ID"] == "0":
+            time.sleep(1.5); os.kill(os.getpid(), signal.SIGKILL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+    """
+    t0 = time.monotonic()
+    rc, st = supervise(fake_run(tmp_path, script, max_restarts=0))
+    assert time.monotonic() - t0 < 30
+    assert st["state"] == "failed" and st["attempts"][0]["returncodes"] == [-9, -9]
+
+
+# ---- render, validation and the CLI's own promises ---------------------------------------------
+
+
+def test_render_smoke_yaml_for_local(tmp_path, state):
+    out = tmp_path / "out"
+    r = launch("render", "configs/smoke.yaml", "--backend", "local", "-o", str(out), state=state)
+    assert r.returncode == 0, r.stderr
+    assert sorted(Path(p).name for p in r.stdout.split()) == ["cfg.toml", "hosts.json", "job.yaml"]
+    plan = json.loads((out / "hosts.json").read_text())
+    assert [h["env"]["JAXJOB_PROCESS_ID"] for h in plan["hosts"]] == ["0", "1"]
+    env = plan["hosts"][0]["env"]
+    assert env["JAXJOB_NUM_PROCESSES"] == "2" and env["JAX_PLATFORMS"] == "cpu"
+    assert env["JAXJOB_RUN_ID"].startswith("smoke-")
+    assert env["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=1")
+    assert plan["hosts"][0]["command"][-2:] == [
+        "worker",
+        str(state / "jaxjob" / "runs" / env["JAXJOB_RUN_ID"] / "cfg.toml"),
+    ]
+    assert f'id = "{env["JAXJOB_RUN_ID"]}"' in (out / "cfg.toml").read_text()
+    printed = launch("render", "configs/smoke.yaml", state=state).stdout
+    assert "# ==> hosts.json <==" in printed and "# ==> cfg.toml <==" in printed
+    assert not (state / "jaxjob" / "runs").exists()  # render submits nothing
+
+
+def test_smoke_yaml_validates():
+    job = load_job(ROOT / "configs/smoke.yaml")
+    assert job.spec.host_processes("local") == 2 and job.run.mesh.data == 2
+    for backend in ("local", "slurm", "k8s"):
+        check_mesh_fits(job.spec, job.run, backend)
+
+
+def test_secret_reference_comes_from_the_shell(tmp_path, state):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: sec\nhosts: 2\nrun: {path}\nenv:\n  HF_TOKEN: {{secret: hf, key: token}}\n".format(
+            path=ROOT / "configs/smoke_multihost.toml"
+        )
+    )
+    r = launch("render", str(job), state=state, extra_env={"HF_TOKEN": "s3cret"})
+    assert r.returncode == 0, r.stderr
+    assert '"env_from_shell": [\n        "HF_TOKEN"' in r.stdout and "s3cret" not in r.stdout
+
+
+def test_launch_never_imports_jax():
+    code = "import launch.cli, launch.local, launch.progress, sys; assert 'jax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+@pytest.mark.parametrize(
+    "cmd", ["", "submit", "render", "status", "logs", "cancel", "list", "schema"]
+)
+def test_every_command_has_help(cmd, state):
+    r = launch(*cmd.split(), "--help", state=state)
+    assert r.returncode == 0 and "Usage: launch" in r.stdout
+
+
+def test_schema_is_the_job_spec_schema(state):
+    schema = json.loads(launch("schema", state=state).stdout)
+    assert {"name", "run", "accelerator", "hosts", "env"} <= set(schema["properties"])
+
+
+def test_missing_backend_module_is_one_clear_sentence(monkeypatch):
+    monkeypatch.setitem(launch_cli.BACKENDS, "slurm", ("launch.no_such_module", "X", None))
+    with pytest.raises(launch_cli.JaxjobError, match="the slurm backend is not available"):
+        launch_cli.get_backend("slurm")
+    monkeypatch.setitem(launch_cli.BACKENDS, "k8s", ("json", "NoSuchClass", "k8s"))
+    with pytest.raises(launch_cli.JaxjobError, match="json has no NoSuchClass"):
+        launch_cli.get_backend("k8s", {"context": None, "namespace": None})
+
+
+def test_status_of_a_vanished_supervisor_is_failed(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run_dir / "supervisor.json").write_text(json.dumps({
+        "state": "running", "detail": "", "pid": dead.pid, "attempt": 0, "restarts": 0,
+        "max_restarts": 1, "hosts": [],
+    }))  # fmt: skip
+    st = LocalBackend(Registry(tmp_path)).status(Handle("local", {"run_dir": str(run_dir)}))
+    assert st["state"] == "failed" and "is gone" in st["detail"]

@@ -1,0 +1,97 @@
+"""`launch submit --backend slurm` as a user runs it, against the real daemons (`slurm_cluster`):
+a 2-host job trains to completion and `status`/`logs` report it; `cancel` checkpoints first.
+
+The dev cluster is one node, so the spec packs both hosts on it (`slurm.hosts_per_node: 2`);
+the script still derives coordinator, process ids and world size from SLURM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runs import ROOT, read_jsonl, tiny_config
+
+pytestmark = pytest.mark.slow
+
+
+def launch(state: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_STATE_HOME": str(state), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def job_file(tmp: Path, prepared: str, name: str, steps: int) -> Path:
+    run = tiny_config(prepared, str(tmp / "runs"), "ignored", mesh={"data": 2},
+                      training={"target_tokens": 16 * 8 * steps, "log_every": 1})  # fmt: skip
+    spec = {"name": name, "run": run, "accelerator": "cpu", "hosts": 2, "max_restarts": 0,
+            "slurm": {"hosts_per_node": 2, "time": "00:15:00", "signal_grace_s": 60}}  # fmt: skip
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def wait_state(state: Path, run_id: str, want: set[str], timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        res = launch(state, "status", run_id, "--json")
+        assert res.returncode == 0, res.stderr
+        info = json.loads(res.stdout)
+        if info["state"] in want:
+            return info
+        assert time.monotonic() < deadline, f"{run_id} still {info['state']}: {info}"
+        time.sleep(1.0)
+
+
+def test_submit_status_logs_on_slurm(tmp_path, prepared, slurm_cluster):
+    state = tmp_path / "state"
+    sub = launch(
+        state,
+        "submit",
+        str(job_file(tmp_path, prepared, "sl-ok", 6)),
+        "--backend",
+        "slurm",
+        "--json",
+    )
+    assert sub.returncode == 0, sub.stderr
+    run_id = json.loads(sub.stdout)["run_id"]
+    info = wait_state(state, run_id, {"succeeded", "failed", "cancelled"})
+    assert info["state"] == "succeeded", info
+    logs = launch(state, "logs", run_id)
+    assert logs.returncode == 0, logs.stderr
+    assert "[host 0] step: 6 " in logs.stdout and "[host 1] step: 6 " in logs.stdout
+    final = json.loads((tmp_path / "runs" / run_id / "summaries/final.json").read_text())
+    assert final["status"] == "completed" and final["steps"] == 6
+    listed = json.loads(launch(state, "list", "--json").stdout)
+    assert [r["run_id"] for r in listed] == [run_id]
+
+
+def test_cancel_on_slurm_checkpoints_first(tmp_path, prepared, slurm_cluster):
+    state = tmp_path / "state"
+    sub = launch(state, "submit", str(job_file(tmp_path, prepared, "sl-cancel", 100_000)), "--backend", "slurm",
+                 "--json")  # fmt: skip
+    assert sub.returncode == 0, sub.stderr
+    run_id = json.loads(sub.stdout)["run_id"]
+    metrics = tmp_path / "runs" / run_id / "metrics/train.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline, launch(state, "status", run_id).stdout
+        time.sleep(0.5)
+    res = launch(state, "cancel", run_id, timeout=240)
+    assert res.returncode == 0, res.stderr
+    info = wait_state(state, run_id, {"cancelled", "failed", "succeeded"})
+    assert info["state"] == "cancelled", info
+    events = read_jsonl(tmp_path / "runs" / run_id / "events.jsonl")
+    assert events[-1]["event"] == "interrupted"
+    index = json.loads((tmp_path / "runs" / run_id / "checkpoints/index.json").read_text())
+    assert (
+        index["latest"]
+        == json.loads((tmp_path / "runs" / run_id / "summaries/final.json").read_text())["steps"]
+    )

@@ -44,7 +44,16 @@ _TPUS = {
     "v5e": ("tpu-v5-lite-podslice", False, False),
     "v6e": ("tpu-v6e-slice", False, False),
 }
-_TOPO_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_TOPO_2D = {
+    1: "1x1",
+    4: "2x2",
+    8: "2x4",
+    16: "4x4",
+    32: "4x8",
+    64: "8x8",
+    128: "8x16",
+    256: "16x16",
+}
 _TOPO_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
             256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}  # fmt: skip
 _TPU_RE = re.compile(r"^tpu-(v4|v5p|v5e|v5litepod|v6e)-(\d+)$")
@@ -94,4 +103,6 @@ def lookup(name: str) -> Accelerator:
     if m:
         gen = "v5e" if m.group(1) == "v5litepod" else m.group(1)
         return _tpu(gen, int(m.group(2)), name)
-    raise ConfigError(f"accelerator: unknown accelerator {name!r}; known: {', '.join(known_names())}")
+    raise ConfigError(
+        f"accelerator: unknown accelerator {name!r}; known: {', '.join(known_names())}"
+    )

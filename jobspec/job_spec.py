@@ -36,7 +36,9 @@ class SecretRef(Spec):
 class K8sSection(Spec):
     namespace: str = Field("default", description="Namespace of the JobSet and ConfigMap.")
     service_account: str | None = Field(None, description="Pod service account.")
-    queue: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
+    queue: str | None = Field(
+        None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name)."
+    )
     priority_class: str | None = Field(None, description="PriorityClass of the pods.")
     node_selector: dict[str, str] = Field({}, description="Added to the accelerator's selectors.")
     tolerations: list[dict] = Field([], description="Pod tolerations, as Kubernetes writes them.")
@@ -61,7 +63,9 @@ class SlurmSection(Spec):
     qos: str | None = None
     time: str = Field("01:00:00", description="Time limit, as sbatch --time takes it.")
     constraint: str | None = None
-    cpus_per_task: Annotated[int, Field(gt=0)] | None = Field(None, description="CPUs per host task.")
+    cpus_per_task: Annotated[int, Field(gt=0)] | None = Field(
+        None, description="CPUs per host task."
+    )
     setup: list[str] = Field([], description="Shell lines run before srun (module load, venv…).")
     signal_grace_s: Annotated[int, Field(ge=10)] = Field(
         120, description="SIGTERM this long before the time limit, so the run checkpoints."
@@ -74,8 +78,12 @@ class SlurmSection(Spec):
 
 
 class LocalSection(Spec):
-    processes: Annotated[int, Field(gt=0)] | None = Field(None, description="Host processes (default: hosts).")
-    devices_per_process: Annotated[int, Field(gt=0)] = Field(1, description="CPU devices per process.")
+    processes: Annotated[int, Field(gt=0)] | None = Field(
+        None, description="Host processes (default: hosts)."
+    )
+    devices_per_process: Annotated[int, Field(gt=0)] = Field(
+        1, description="CPU devices per process."
+    )
 
 
 class JobSpec(Spec):
@@ -89,7 +97,9 @@ class JobSpec(Spec):
     )
     slices: Annotated[int, Field(gt=0)] = Field(1, description="TPU slices (multi-slice over DCN).")
     output_uri: str | None = Field(None, description="Overrides run.output_uri (path or gs://).")
-    env: dict[str, str | SecretRef] = Field({}, description="Extra environment; secrets by reference.")
+    env: dict[str, str | SecretRef] = Field(
+        {}, description="Extra environment; secrets by reference."
+    )
     max_restarts: Annotated[int, Field(ge=0)] = Field(3, description="Restarts of the whole job.")
     k8s: K8sSection = K8sSection()
     slurm: SlurmSection = SlurmSection()
@@ -169,7 +179,9 @@ class JobSpec(Spec):
         return self.total_hosts
 
 
-def check_mesh_fits(spec: JobSpec, run: RunConfig, backend: Literal["local", "slurm", "k8s"]) -> None:
+def check_mesh_fits(
+    spec: JobSpec, run: RunConfig, backend: Literal["local", "slurm", "k8s"]
+) -> None:
     """The run's mesh must use exactly the job's devices; said before anything is submitted."""
     procs, per = spec.host_processes(backend), spec.devices_per_host(backend)
     devices = procs * per

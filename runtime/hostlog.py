@@ -57,7 +57,9 @@ class HostLogTee:
             r, w = os.pipe()
             os.dup2(w, fd)
             os.close(w)
-            t = threading.Thread(target=self._pump, args=(r, original), daemon=True, name=f"tee-{fd}")
+            t = threading.Thread(
+                target=self._pump, args=(r, original), daemon=True, name=f"tee-{fd}"
+            )
             t.start()
             self._threads.append(t)
         atexit.register(self.close)

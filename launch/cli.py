@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from jobspec.cli import run_group
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.job_spec import check_mesh_fits
 from jobspec.load_job import job_schema, load_job, run_with_id
@@ -25,7 +26,6 @@ from launch.backend import Backend, Submission
 from launch.registry import Registry, RunRecord, utc_now
 from launch.runid import new_run_id
 
-EXIT_USER_ERROR = 2
 EXIT_RUN_FAILED = 1  # `--wait`: the run ended failed or cancelled
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -367,20 +367,7 @@ def schema_cmd() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        cli.main(args=argv, prog_name="launch", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(EXIT_USER_ERROR)
-    except JaxjobError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(EXIT_USER_ERROR)
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
+    run_group(cli, "launch", argv)
 
 
 if __name__ == "__main__":

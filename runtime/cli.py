@@ -12,9 +12,8 @@ from typing import Any
 
 import click
 
-from jobspec.errors import ConfigError, JaxjobError
-
-EXIT_USER_ERROR = 2
+from jobspec.cli import run_group
+from jobspec.errors import ConfigError
 
 
 def _print_json(obj: Any) -> None:
@@ -369,20 +368,7 @@ def _quiet_library_logs() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     _quiet_library_logs()
-    try:
-        cli.main(args=argv, prog_name="runtime", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(EXIT_USER_ERROR)
-    except JaxjobError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(EXIT_USER_ERROR)
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
+    run_group(cli, "runtime", argv)
 
 
 if __name__ == "__main__":

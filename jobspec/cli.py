@@ -1,0 +1,29 @@
+"""How both CLIs (`launch`, `runtime`) end: a user mistake is one sentence and exit 2."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from jobspec.errors import JaxjobError
+
+EXIT_USER_ERROR = 2
+
+
+def run_group(group: click.Group, prog_name: str, argv: list[str] | None = None) -> None:
+    """Run a click group; JaxjobError is caught once here, so no traceback reaches the user."""
+    try:
+        group.main(args=argv, prog_name=prog_name, standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(EXIT_USER_ERROR)
+    except JaxjobError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)

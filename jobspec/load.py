@@ -71,7 +71,24 @@ def describe_validation_error(err: ValidationError, model: type[BaseModel], sour
     return f"{source}: {where}{msg}{shown}{tail}"
 
 
+def _fill_from_hf(data: dict, source: str) -> dict:
+    """`model.init_from = "hf:PATH"`: missing model keys come from PATH/config.json."""
+    model = data.get("model")
+    init_from = model.get("init_from") if isinstance(model, dict) else None
+    if not isinstance(init_from, str):
+        return data
+    from jobspec.hf_config import HF_KEYS, hf_dir, model_fields_from_hf, read_hf_config
+
+    what = f"{source}: model.init_from"
+    path = hf_dir(init_from, what=what)
+    if all(k in model for k in HF_KEYS):  # e.g. a resolved.json: nothing to fill
+        return data
+    hf = model_fields_from_hf(read_hf_config(path, what=what), what=what)
+    return {**data, "model": {**hf, **model}}  # explicit TOML keys win
+
+
 def parse_run_config(data: dict, source: str = "run config") -> RunConfig:
+    data = _fill_from_hf(data, source)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

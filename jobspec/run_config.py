@@ -47,7 +47,33 @@ class RunSection(Section):
 class ModelConfig(Section):
     """Qwen3-family decoder sizes. Names follow the Hugging Face config keys."""
 
-    family: Literal["qwen3"] = Field("qwen3", description="Architecture family.")
+    family: Literal["qwen3", "qwen3_moe"] = Field("qwen3", description="Architecture family.")
+    init_from: str | None = Field(
+        None,
+        description=(
+            "'hf:PATH': a local Hugging Face model dir (config.json + *.safetensors); sizes come "
+            "from its config.json unless given here, and the weights initialise the run."
+        ),
+    )
+    num_experts: PositiveInt | None = Field(
+        None, description="qwen3_moe: routed experts per layer."
+    )
+    num_experts_per_tok: PositiveInt | None = Field(
+        None, description="qwen3_moe: experts each token uses (top-k)."
+    )
+    moe_intermediate_size: PositiveInt | None = Field(
+        None, description="qwen3_moe: hidden width of each expert."
+    )
+    norm_topk_prob: bool = Field(
+        True, description="qwen3_moe: renormalise the top-k router weights to sum to 1."
+    )
+    router_bias_update_rate: Annotated[float, Field(ge=0)] = Field(
+        0.0,
+        description=(
+            "qwen3_moe: aux-loss-free load balancing; per step each expert's selection bias moves by "
+            "this rate toward equal load (0 = off)."
+        ),
+    )
     vocab_size: PositiveInt = Field(
         description="Embedding rows; must exceed every token id in the data."
     )
@@ -93,6 +119,19 @@ class ModelConfig(Section):
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads}); "
                 "set head_dim explicitly"
+            )
+        moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        if self.family == "qwen3_moe":
+            missing = [k for k in moe if getattr(self, k) is None]
+            if missing:
+                raise ValueError(f"family qwen3_moe needs {', '.join(missing)}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})"
+                )
+        elif any(getattr(self, k) is not None for k in moe):
+            raise ValueError(
+                "num_experts/num_experts_per_tok/moe_intermediate_size need family = 'qwen3_moe'"
             )
         return self
 
@@ -171,6 +210,16 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
+    objective: Literal["cross_entropy", "clipped_pg"] = Field(
+        "cross_entropy",
+        description=(
+            "cross_entropy: next-token loss; clipped_pg: PPO/GRPO-style clipped policy gradient on "
+            "per-token advantages and old log-probs carried by the batch."
+        ),
+    )
+    pg_clip_epsilon: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.2, description="clipped_pg: ratio clip range [1 - eps, 1 + eps]."
+    )
     seq_len: PositiveInt = Field(description="Tokens per training row.")
     global_batch_size: PositiveInt = Field(description="Sequences per microbatch across all hosts.")
     gradient_accumulation_steps: PositiveInt = Field(

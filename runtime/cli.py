@@ -359,6 +359,55 @@ def sample_checkpoint_cmd(
         click.echo(f"wrote {out['path']}")
 
 
+@cli.group("export")
+def export_group() -> None:
+    """Write a checkpoint in another format."""
+
+
+@export_group.command("hf")
+@click.argument("run")
+@click.option(
+    "--checkpoint", "selector", default="latest", show_default=True, help="latest, best or a step."
+)
+@click.option("--out", required=True, help="Directory for config.json and *.safetensors.")
+@click.option("--json", "as_json", is_flag=True)
+def export_hf_cmd(run: str, selector: str, out: str, as_json: bool) -> None:
+    """Export one checkpoint of RUN as a Hugging Face model dir (transformers loads it)."""
+    from runtime.hf.io import export_checkpoint
+
+    result = export_checkpoint(run, selector, out)
+    if as_json:
+        _print_json(result)
+    else:
+        click.echo(f"exported step {result['step']} of {result['run_id']} to {out}")
+
+
+@cli.group("import")
+def import_group() -> None:
+    """Turn another format into a run directory."""
+
+
+@import_group.command("hf")
+@click.argument("path", type=click.Path(file_okay=False))
+@click.option("--out", "out", required=True, help="New run directory (its name is the run id).")
+@click.option(
+    "--config",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Run TOML for the other sections (and --resume training); model keys default to PATH's.",
+)
+@click.option("--json", "as_json", is_flag=True)
+def import_hf_cmd(path: str, out: str, config: str | None, as_json: bool) -> None:
+    """Import the HF model dir PATH as checkpoint 0 of a run that eval/sample/export read."""
+    from runtime.hf.io import import_to_run
+
+    result = import_to_run(path, out, config=config)
+    if as_json:
+        _print_json(result)
+    else:
+        click.echo(f"imported {path} as checkpoint 0 of {result['out']}")
+
+
 def _quiet_library_logs() -> None:
     # Orbax logs routine notices (read-only managers, cleanup) as absl WARNINGs; keep errors.
     import logging

@@ -18,6 +18,7 @@ from runtime.model import param_count as parameter_counts
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
     counts = parameter_counts(m)
-    n = counts["non_embedding"] + m.vocab_size * m.hidden_size  # + the head matmul, tied or not
+    # MoE: only the k active experts' matmuls run per token. + the head matmul, tied or not.
+    n = counts.get("active_non_embedding", counts["non_embedding"]) + m.vocab_size * m.hidden_size
     attention = 12 * m.num_layers * seq_len * m.num_heads * m.resolved_head_dim
     return {"params_counted": n, "dense": 6 * n, "attention": attention, "total": 6 * n + attention}

@@ -16,10 +16,15 @@ Kernels are stored [in, out] so an HF `weight` maps in by a plain transpose. Pat
 `embed_tokens.embedding`, `layers[i].self_attn.{q,k,v,o}_proj.kernel`,
 `layers[i].self_attn.{q,k}_norm.scale`, `layers[i].{input,post_attention}_layernorm.scale`,
 `layers[i].mlp.{gate,up,down}_proj.kernel`, `norm.scale`, `lm_head.kernel` (untied only).
+
+Family "qwen3_moe" swaps each layer's MLP for `runtime.moe.SparseMoE` (paths documented there:
+`layers[i].mlp.gate.kernel`, `layers[i].mlp.experts.{gate,up,down}_proj`, and the non-Param
+`layers[i].mlp.router_bias`). `Decoder.forward_with_loads` also returns per-layer expert loads.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -28,9 +33,10 @@ from flax import nnx
 from jax import lax
 
 from jobspec.run_config import ModelConfig
+from runtime.moe import SparseMoE
 
 #: Every logical axis name a parameter may carry.
-LOGICAL_AXES: tuple[str, ...] = ("vocab", "embed", "heads", "kv_heads", "mlp", "norm")
+LOGICAL_AXES: tuple[str, ...] = ("vocab", "embed", "heads", "kv_heads", "mlp", "norm", "expert")
 
 _DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -219,13 +225,26 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The MLP is SwiGLU for family "qwen3" and the sparse MoE block for "qwen3_moe".
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
         self.self_attn = Attention(cfg, rngs=rngs, eager_sharding=eager_sharding)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
-        self.mlp = MLP(cfg, rngs=rngs, eager_sharding=eager_sharding)
+        self.is_moe = cfg.family == "qwen3_moe"
+        if self.is_moe:
+            self.mlp = SparseMoE(
+                cfg,
+                rngs=rngs,
+                eager_sharding=eager_sharding,
+                param_dtype=dtype_of(cfg.param_dtype),
+                compute_dtype=dtype_of(cfg.compute_dtype),
+            )
+        else:
+            self.mlp = MLP(cfg, rngs=rngs, eager_sharding=eager_sharding)
 
     def __call__(
         self,
@@ -235,17 +254,37 @@ class Block(nnx.Module):
         mask: jax.Array,
         kv: tuple[jax.Array, jax.Array] | None = None,
         index: jax.Array | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, jax.Array | None]:
+        """-> (x, new_kv, load): load [E] is the MoE expert load, None for a dense MLP."""
         attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, index)
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_kv
+        load = None
+        if self.is_moe:
+            y, load = self.mlp(self.post_attention_layernorm(x))
+        else:
+            y = self.mlp(self.post_attention_layernorm(x))
+        return x + y, new_kv, load
 
 
 def _block_forward(
     block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
-) -> jax.Array:
-    return block(x, cos, sin, mask)[0]
+) -> tuple[jax.Array, jax.Array | None]:
+    out, _, load = block(x, cos, sin, mask)
+    return out, load
+
+
+def _remat_block_forward(
+    policy: Any, block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array | None]:
+    # A pure jax.checkpoint over the block's split state: the forward mutates nothing, and this
+    # (unlike nnx.remat) does not write non-Param variables such as the MoE router bias back
+    # across trace levels.
+    graphdef, state = nnx.split(block)
+
+    def pure(state: Any, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> Any:
+        return _block_forward(nnx.merge(graphdef, state), x, cos, sin, mask)
+
+    return jax.checkpoint(pure, policy=policy, prevent_cse=True)(state, x, cos, sin, mask)
 
 
 class Decoder(nnx.Module):
@@ -288,6 +327,16 @@ class Decoder(nnx.Module):
         Attention is causal over the T axis and, given segment_ids, limited to equal segment ids;
         positions only feed RoPE (the caller restarts them per packed document).
         """
+        return self.forward_with_loads(inputs, positions, segment_ids)[0]
+
+    def forward_with_loads(
+        self,
+        inputs: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """Like `__call__`, plus the expert loads: fp32 [num_layers, num_experts], each row the
+        fraction of that layer's token->expert assignments per expert; None for family "qwen3"."""
         t = inputs.shape[1]
         idx = jnp.arange(t)
         mask = (idx[:, None] >= idx[None, :])[None]  # [1, T, T]
@@ -298,11 +347,14 @@ class Decoder(nnx.Module):
         policy = _REMAT_POLICIES.get(self.cfg.remat)
         block_fn = _block_forward
         if policy is not None:
-            block_fn = nnx.remat(_block_forward, policy=policy, prevent_cse=True)
+            block_fn = partial(_remat_block_forward, policy)
         x = self.embed_tokens(inputs)
+        loads = []
         for block in self.layers:
-            x = block_fn(block, x, cos, sin, mask)
-        return self._logits(x)
+            x, load = block_fn(block, x, cos, sin, mask)
+            loads.append(load)
+        stacked = jnp.stack(loads) if self.cfg.family == "qwen3_moe" else None
+        return self._logits(x), stacked
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
         """An empty cache of max_len slots per sequence (dtype defaults to compute_dtype)."""
@@ -332,7 +384,7 @@ class Decoder(nnx.Module):
         x = self.embed_tokens(inputs)
         new_k, new_v = [], []
         for block, ck, cv in zip(self.layers, cache.k, cache.v, strict=True):
-            x, (nk, nv) = block(x, cos, sin, mask, (ck, cv), cache.index)
+            x, (nk, nv), _ = block(x, cos, sin, mask, (ck, cv), cache.index)
             new_k.append(nk)
             new_v.append(nv)
         return self._logits(x), KVCache(tuple(new_k), tuple(new_v), cache.index + t)
@@ -344,17 +396,29 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     embedding: the input table (vocab x hidden); lm_head: the separate head (0 when tied);
     non_embedding: everything else (blocks and final norm). The head matmul costs vocab x hidden
     MACs per token whether tied or not, so a FLOPs estimate adds that to non_embedding.
+    For family "qwen3_moe" the MLP is the router (hidden x E) plus E experts, and
+    active_non_embedding counts the router and only the k experts a token uses (for FLOPs).
+    The router bias is not a parameter and is not counted.
     """
     d, hd, f, v = cfg.hidden_size, cfg.resolved_head_dim, cfg.intermediate_size, cfg.vocab_size
     attn = d * cfg.num_heads * hd + 2 * d * cfg.num_kv_heads * hd + cfg.num_heads * hd * d + 2 * hd
-    per_layer = attn + 3 * d * f + 2 * d
+    moe = cfg.family == "qwen3_moe"
+    if moe:
+        e, k, mf = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        mlp, active_mlp = d * e + 3 * d * mf * e, d * e + 3 * d * mf * k
+    else:
+        mlp = active_mlp = 3 * d * f
+    per_layer = attn + mlp + 2 * d
     embedding = v * d
     lm_head = 0 if cfg.tie_word_embeddings else v * d
     non_embedding = cfg.num_layers * per_layer + d
-    return {
+    counts = {
         "total": embedding + lm_head + non_embedding,
         "embedding": embedding,
         "lm_head": lm_head,
         "non_embedding": non_embedding,
         "per_layer": per_layer,
     }
+    if moe:
+        counts["active_non_embedding"] = cfg.num_layers * (attn + active_mlp + 2 * d) + d
+    return counts

@@ -74,7 +74,8 @@ def param_shardings(abstract_params: nnx.State, mesh: Mesh) -> Any:
 
 def build_model(cfg: ModelConfig, seed: int, mesh: Mesh, *, materialise: bool = True) -> ModelParts:
     """Create parameters directly with their shardings; `materialise=False` keeps them abstract
-    (ShapeDtypeStructs with shardings) as restore targets."""
+    (ShapeDtypeStructs with shardings) as restore targets. With `cfg.init_from` ("hf:PATH") the
+    materialised parameters are that HF model's weights, placed with the same shardings."""
     graphdef, abs_params, abs_others = nnx.split(_abstract_model(cfg, seed), nnx.Param, ...)
     p_sh = param_shardings(abs_params, mesh)
     o_sh = jax.tree.map(lambda _: replicated(mesh), abs_others)
@@ -85,7 +86,15 @@ def build_model(cfg: ModelConfig, seed: int, mesh: Mesh, *, materialise: bool = 
         _, params, others = nnx.split(model, nnx.Param, ...)
         return params, others
 
-    if materialise:
+    if materialise and cfg.init_from:
+        # `model.init_from = "hf:PATH"`: the HF weights are the initial parameters.
+        from jobspec.hf_config import hf_dir
+        from runtime.hf.io import load_hf_params, place_params
+
+        flat = load_hf_params(hf_dir(cfg.init_from), cfg)
+        params = place_params(flat, abs_params, p_sh)
+        others = jax.jit(lambda: init()[1], out_shardings=o_sh)()
+    elif materialise:
         params, others = jax.jit(init, out_shardings=(p_sh, o_sh))()
     else:
         params = jax.tree.map(

@@ -1,8 +1,9 @@
 """The mesh from `[mesh]`, and the one table mapping logical axis names to mesh axes.
 
-Model code names only logical axes (vocab, embed, heads, kv_heads, mlp, norm); this module alone
-knows mesh axes. FSDP shards parameters (and so optimizer state) over `fsdp` along `embed`; TP
-shards heads, MLP hidden and vocab over `tensor`; the batch is split over `data` x `fsdp`.
+Model code names only logical axes (vocab, embed, heads, kv_heads, mlp, norm, expert); this
+module alone knows mesh axes. FSDP shards parameters (and so optimizer state) over `fsdp` along
+`embed`; TP shards heads, MLP hidden and vocab over `tensor`; the batch is split over `data` x
+`fsdp`; MoE experts are replicated for now.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "norm": None,
+    # MoE expert axis: replicated for now; an expert-parallel mesh axis can take it later.
+    "expert": None,
 }
 
 

@@ -152,7 +152,14 @@ def _prepare(
     )
     b_sh = batch_sharding(mesh, 3, leading=1)
     step_fn = jax.jit(
-        make_train_step(parts.graphdef, parts.others, tx, schedule),
+        make_train_step(
+            parts.graphdef,
+            parts.others,
+            tx,
+            schedule,
+            objective=t.objective,
+            pg_clip_epsilon=t.pg_clip_epsilon,
+        ),
         in_shardings=(state_sh, b_sh),
         out_shardings=(state_sh, rep),
         donate_argnums=0,
@@ -172,6 +179,17 @@ def _prepare(
         start_step=start_step, data_state=data_state, decay_steps=decay_steps, fingerprint=fp,
         batch_sharding=b_sh, global_shape=(t.gradient_accumulation_steps, t.global_batch_size, t.seq_len),
     )  # fmt: skip
+
+
+def _check_objective_data(cfg: RunConfig) -> None:
+    """The data must supply what the objective consumes; today only cross_entropy's tokens."""
+    if cfg.training.objective == "clipped_pg":
+        raise ConfigError(
+            "training.objective = 'clipped_pg' needs batches with per-token advantages and old "
+            "log-probs, which prepared-token manifests do not carry; no data source for such RL "
+            "batches is built yet, so set training.objective = 'cross_entropy' to train on "
+            f"{cfg.data.manifest}"
+        )
 
 
 def train(
@@ -195,6 +213,7 @@ def train(
     store, resume = _open_run(cfg, resume, writer_index)
     manifest = ensure_manifest(cfg.data, is_writer=store.is_writer)
     check_for_run(manifest, cfg.data, cfg.model.vocab_size)
+    _check_objective_data(cfg)
     mesh = build_mesh(cfg.mesh)
     ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     try:

@@ -4,6 +4,11 @@ The train state is a plain pytree: {"params", "opt_state", "step", "rng"}. A bat
 shaped [accum, rows, seq_len]; microbatches are scanned, their gradients of the *summed* loss
 added, and the total divided once by the global count of counted tokens, so accumulation over
 k microbatches gives the same update as one batch k times larger.
+
+MoE (family "qwen3_moe"): metrics add `expert_load_max_over_mean`. With router_bias_update_rate
+> 0 the state must also carry "others" (the non-Param model state, `ModelParts.others`, holding
+each layer's RouterBias): the step then reads the model's non-Param state from there instead of
+the closed-over `others` and returns it with every bias moved by rate * sign(mean_load - load).
 """
 
 from __future__ import annotations
@@ -17,18 +22,47 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from runtime.loss import cross_entropy_sums
+from runtime.loss import clipped_pg_sums, cross_entropy_sums
+from runtime.moe import load_max_over_mean, update_router_bias
 
 Batch = dict[str, jax.Array]
 State = dict[str, Any]
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
+# Extra per-token float32 arrays a clipped_pg batch carries, shaped like the others.
+PG_BATCH_KEYS = ("advantages", "old_logprobs")
+OBJECTIVES = ("cross_entropy", "clipped_pg")
 
 
 def _loss_sums(
-    graphdef: nnx.GraphDef, others: tuple, params: Any, mb: Batch
-) -> tuple[jax.Array, jax.Array]:
+    graphdef: nnx.GraphDef,
+    others: tuple,
+    params: Any,
+    mb: Batch,
+    *,
+    objective: str = "cross_entropy",
+    pg_clip_epsilon: float = 0.2,
+    with_loads: bool = False,
+) -> tuple[jax.Array, Any]:
+    """(loss sum, count); with_loads: (loss sum, (count, expert loads [L, E] or None))."""
     model = nnx.merge(graphdef, params, *others)
-    logits = model(mb["inputs"], mb["positions"], mb["segment_ids"])
+    logits, loads = model.forward_with_loads(mb["inputs"], mb["positions"], mb["segment_ids"])
+    loss_sum, count = _sums_of(logits, mb, objective, pg_clip_epsilon)
+    return (loss_sum, (count, loads)) if with_loads else (loss_sum, count)
+
+
+def _sums_of(
+    logits: jax.Array, mb: Batch, objective: str, pg_clip_epsilon: float
+) -> tuple[jax.Array, jax.Array]:
+    if objective == "clipped_pg":
+        loss_sum, count, _clipped = clipped_pg_sums(
+            logits,
+            mb["targets"],
+            mb["loss_mask"],
+            mb["advantages"],
+            mb["old_logprobs"],
+            pg_clip_epsilon,
+        )
+        return loss_sum, count
     return cross_entropy_sums(logits, mb["targets"], mb["loss_mask"])
 
 
@@ -37,21 +71,47 @@ def make_train_step(
     others: tuple,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
+    objective: str = "cross_entropy",
+    pg_clip_epsilon: float = 0.2,
+    router_bias_update_rate: float = 0.0,
 ) -> Callable[[State, Batch], tuple[State, dict[str, jax.Array]]]:
-    # Differentiate the loss *sum*; the token count rides along as aux.
-    grad_fn = jax.value_and_grad(partial(_loss_sums, graphdef, others), has_aux=True)
+    """The jit-able train step. With objective="clipped_pg" every batch also carries
+    PG_BATCH_KEYS (float32 [accum, rows, seq_len]) and the loss is the clipped policy gradient."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    rate = float(router_bias_update_rate)
+
+    def grad_fn(model_others: tuple, params: Any, mb: Batch) -> Any:
+        # Differentiate the loss *sum*; the token count and expert loads ride along as aux.
+        loss = partial(
+            _loss_sums,
+            graphdef,
+            model_others,
+            objective=objective,
+            pg_clip_epsilon=pg_clip_epsilon,
+            with_loads=True,
+        )
+        return jax.value_and_grad(loss, has_aux=True)(params, mb)
 
     def train_step(state: State, batch: Batch) -> tuple[State, dict[str, jax.Array]]:
+        if objective == "clipped_pg" and (missing := [k for k in PG_BATCH_KEYS if k not in batch]):
+            raise ValueError(f"a clipped_pg batch needs {missing} alongside {BATCH_KEYS}")
+        if rate > 0 and "others" not in state:
+            raise ValueError(
+                "router_bias_update_rate > 0 needs the non-Param model state in the train state "
+                'as state["others"] (ModelParts.others), so the router biases can be updated'
+            )
         params = state["params"]
+        model_others = state.get("others", others)
 
         def micro(carry, mb):
             grads, loss_sum, count = carry
-            (ls, c), g = grad_fn(params, mb)
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + ls, count + c), None
+            (ls, (c, loads)), g = grad_fn(model_others, params, mb)
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + ls, count + c), loads
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grads, loss_sum, count), _ = jax.lax.scan(micro, init, batch)
+        (grads, loss_sum, count), loads = jax.lax.scan(micro, init, batch)
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
@@ -72,6 +132,13 @@ def make_train_step(
             "step": state["step"] + 1,
             "rng": rng,
         }
+        if loads is not None:  # MoE: loads [accum, L, E]; every microbatch has the same tokens
+            loads = jax.lax.stop_gradient(jnp.mean(loads, axis=0))
+            metrics["expert_load_max_over_mean"] = load_max_over_mean(loads)
+            if rate > 0:
+                model_others = update_router_bias(model_others, loads, rate)
+        if "others" in state:
+            new_state["others"] = model_others
         return new_state, metrics
 
     return train_step

@@ -1,0 +1,1 @@
+"""Hugging Face interop: parameter name maps (`names`) and safetensors import/export (`io`)."""

@@ -1,0 +1,93 @@
+"""One explicit table per family from NNX parameter paths to HF state-dict names.
+
+A path is the tuple `nnx.to_flat_state` gives, e.g. `("layers", 0, "self_attn", "q_proj",
+"kernel")`. Our kernels are [in, out] and HF `nn.Linear` weights are [out, in], so every
+projection transposes; embeddings and norm scales copy as they are. Qwen3-MoE stacks its experts
+([E, in, out], see runtime/moe.py); an entry with `expert = e` is slice e of that stack, which
+HF's saved checkpoints keep as a separate `mlp.experts.{e}.*_proj.weight` per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jobspec.run_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Our parameter at `path` (slice `expert` of it, when set) is HF tensor `name`, transposed
+    when `transpose`."""
+
+    path: tuple[str | int, ...]
+    name: str
+    transpose: bool
+    expert: int | None = None
+
+
+def _qwen3_attention(i: int) -> list[Entry]:
+    p, hf = ("layers", i, "self_attn"), f"model.layers.{i}.self_attn"
+    out = [Entry((*p, f"{n}_proj", "kernel"), f"{hf}.{n}_proj.weight", True) for n in "qkvo"]
+    out += [Entry((*p, f"{n}_norm", "scale"), f"{hf}.{n}_norm.weight", False) for n in "qk"]
+    return out
+
+
+def _qwen3_layer_norms(i: int) -> list[Entry]:
+    return [
+        Entry(("layers", i, n, "scale"), f"model.layers.{i}.{n}.weight", False)
+        for n in ("input_layernorm", "post_attention_layernorm")
+    ]
+
+
+def _ends(cfg: ModelConfig) -> list[Entry]:
+    out = [
+        Entry(("embed_tokens", "embedding"), "model.embed_tokens.weight", False),
+        Entry(("norm", "scale"), "model.norm.weight", False),
+    ]
+    if not cfg.tie_word_embeddings:
+        out.append(Entry(("lm_head", "kernel"), "lm_head.weight", True))
+    return out
+
+
+def qwen3_names(cfg: ModelConfig) -> list[Entry]:
+    """Dense Qwen3 (`Qwen3ForCausalLM`)."""
+    out = _ends(cfg)
+    for i in range(cfg.num_layers):
+        out += _qwen3_attention(i) + _qwen3_layer_norms(i)
+        out += [
+            Entry(
+                ("layers", i, "mlp", f"{n}_proj", "kernel"),
+                f"model.layers.{i}.mlp.{n}_proj.weight",
+                True,
+            )
+            for n in ("gate", "up", "down")
+        ]
+    return out
+
+
+def qwen3_moe_names(cfg: ModelConfig) -> list[Entry]:
+    """Qwen3-MoE (`Qwen3MoeForCausalLM`): router `mlp.gate`, per-expert SwiGLU projections.
+
+    The router bias (runtime/moe.py `router_bias`) is not a parameter and has no HF tensor.
+    """
+    assert cfg.num_experts is not None
+    out = _ends(cfg)
+    for i in range(cfg.num_layers):
+        out += _qwen3_attention(i) + _qwen3_layer_norms(i)
+        p, hf = ("layers", i, "mlp"), f"model.layers.{i}.mlp"
+        out.append(Entry((*p, "gate", "kernel"), f"{hf}.gate.weight", True))
+        for e in range(cfg.num_experts):
+            out += [
+                Entry((*p, "experts", f"{n}_proj"), f"{hf}.experts.{e}.{n}_proj.weight", True, e)
+                for n in ("gate", "up", "down")
+            ]
+    return out
+
+
+def names_for(cfg: ModelConfig) -> list[Entry]:
+    """The table for cfg.family."""
+    if cfg.family == "qwen3":
+        return qwen3_names(cfg)
+    if cfg.family == "qwen3_moe":
+        return qwen3_moe_names(cfg)
+    raise ValueError(f"no HF name map for family {cfg.family!r}")

@@ -1,0 +1,190 @@
+"""Qwen3-MoE sparse MLP (HF `Qwen3MoeSparseMoeBlock` semantics), densely dispatched.
+
+Math, per token x [hidden]:
+
+    logits  = x @ router                       (no bias; accumulated and kept in fp32)
+    probs   = softmax(logits) in fp32 over the experts
+    chosen  = top-k experts of (logits + router_bias)   (router_bias only steers the choice)
+    w       = probs[chosen], renormalised to sum 1 when norm_topk_prob
+    y       = sum_k w_k * down_k(silu(gate_k(x)) * up_k(x))
+
+With a zero router bias the choice is top-k of probs, exactly HF. Dispatch is dense: every expert
+runs on every token (one einsum over an expert axis) and a [tokens, experts] combine matrix, zero
+off the top-k, weights the results. Exact and jit-friendly; compute grows with num_experts, so it
+suits small models only (a sparse dispatch can replace `SparseMoE.__call__` later).
+
+Parameter paths inside `layers[i]` of `runtime.model.Decoder` (for an HF name map):
+
+    mlp.gate.kernel            [hidden, num_experts]            ("embed", "expert")
+                               HF `mlp.gate.weight` [E, hidden] -> transpose
+    mlp.experts.gate_proj      [E, hidden, moe_intermediate]    ("expert", "embed", "mlp")
+    mlp.experts.up_proj        [E, hidden, moe_intermediate]    ("expert", "embed", "mlp")
+                               HF `mlp.experts.gate_up_proj` [E, 2*moe_inter, hidden]:
+                               gate_proj = gate_up_proj[:, :moe_inter, :].transpose(0, 2, 1),
+                               up_proj   = gate_up_proj[:, moe_inter:, :].transpose(0, 2, 1)
+    mlp.experts.down_proj      [E, moe_intermediate, hidden]    ("expert", "mlp", "embed")
+                               HF `mlp.experts.down_proj` [E, hidden, moe_inter] -> transpose(0, 2, 1)
+    mlp.router_bias            [E] fp32, a `RouterBias` (NOT an nnx.Param: no gradient, no
+                               optimizer state; it lives in the non-Param state). No HF weight.
+
+Aux-loss-free balancing (DeepSeek-V3): the train step moves each layer's bias by
+rate * sign(mean_load - load) after the gradient step (`update_router_bias`), so an under-loaded
+expert is chosen more often; the combine weights never see the bias.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jobspec.run_config import ModelConfig
+
+
+class RouterBias(nnx.Variable):
+    """Per-expert selection bias. Not an nnx.Param: `nnx.split(model, nnx.Param, ...)` puts it in
+    the non-Param state, so gradients and the optimizer never touch it."""
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> jax.Array:
+    # Drawn in fp32 and cast, like runtime.model._normal_param.
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Router(nnx.Module):
+    """The router projection: `kernel` [hidden, num_experts], no bias."""
+
+    def __init__(
+        self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool, param_dtype: Any
+    ) -> None:
+        self.kernel = nnx.Param(
+            _normal(rngs, (cfg.hidden_size, cfg.num_experts), cfg.init_std, param_dtype),
+            out_sharding=("embed", "expert"),
+            eager_sharding=eager_sharding,
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., hidden] -> fp32 logits [..., E]."""
+        w = self.kernel[...].astype(x.dtype)
+        return jnp.einsum("...d,de->...e", x, w, preferred_element_type=jnp.float32)
+
+
+class Experts(nnx.Module):
+    """E SwiGLU experts with stacked kernels; `__call__` runs all of them on every token."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        eager_sharding: bool,
+        param_dtype: Any,
+        compute_dtype: Any,
+    ) -> None:
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        std = cfg.init_std
+
+        def param(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+            value = _normal(rngs, shape, std, param_dtype)
+            return nnx.Param(value, out_sharding=names, eager_sharding=eager_sharding)
+
+        self.gate_proj = param((e, d, f), ("expert", "embed", "mlp"))
+        self.up_proj = param((e, d, f), ("expert", "embed", "mlp"))
+        self.down_proj = param((e, f, d), ("expert", "mlp", "embed"))
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x: jax.Array, combine: jax.Array) -> jax.Array:
+        """x [B, T, D], combine [B, T, E] (zero off each token's top-k) -> [B, T, D]."""
+        cd = self.compute_dtype
+        g = jnp.einsum("btd,edf->btef", x, self.gate_proj[...].astype(cd))
+        u = jnp.einsum("btd,edf->btef", x, self.up_proj[...].astype(cd))
+        h = jax.nn.silu(g) * u
+        # Weight each expert's hidden activations before the down projection: the same sum as
+        # weighting the outputs (down is linear), without a [B, T, E, D] intermediate.
+        h = h * combine[..., None].astype(cd)
+        return jnp.einsum("btef,efd->btd", h, self.down_proj[...].astype(cd))
+
+
+def route(
+    logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool
+) -> tuple[jax.Array, jax.Array]:
+    """fp32 logits [..., E], bias [E] -> (combine [..., E] fp32, one-hot selection [..., E]).
+
+    Selection is top-k of logits + bias (top-k of softmax(logits) when the bias is 0, since softmax
+    is monotone); the weights are the unbiased softmax probabilities of the chosen experts.
+    """
+    e = logits.shape[-1]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    _, idx = jax.lax.top_k(logits.astype(jnp.float32) + bias.astype(jnp.float32), k)
+    top = jnp.take_along_axis(probs, idx, axis=-1)
+    if norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    onehot = jax.nn.one_hot(idx, e, dtype=jnp.float32)  # [..., k, E]
+    combine = jnp.einsum("...k,...ke->...e", top, onehot)
+    return combine, jnp.sum(onehot, axis=-2)
+
+
+class SparseMoE(nnx.Module):
+    """Qwen3-MoE block: router (`gate`), stacked `experts`, and the selection `router_bias`."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        eager_sharding: bool,
+        param_dtype: Any,
+        compute_dtype: Any,
+    ) -> None:
+        self.num_experts_per_tok = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = Router(cfg, rngs=rngs, eager_sharding=eager_sharding, param_dtype=param_dtype)
+        self.experts = Experts(
+            cfg,
+            rngs=rngs,
+            eager_sharding=eager_sharding,
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype,
+        )
+        self.router_bias = RouterBias(jnp.zeros((cfg.num_experts,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, T, D] -> (y [B, T, D], load [E]).
+
+        load: the fraction of this call's token->expert assignments that went to each expert
+        (sums to 1; every token counts, padding included).
+        """
+        logits = self.gate(x)
+        combine, chosen = route(
+            logits, self.router_bias[...], self.num_experts_per_tok, self.norm_topk_prob
+        )
+        # HF casts the routing weights to the hidden dtype before weighting the experts.
+        combine = combine.astype(x.dtype)
+        load = jnp.sum(chosen.reshape(-1, chosen.shape[-1]), axis=0)
+        load = load / (chosen.shape[0] * chosen.shape[1] * self.num_experts_per_tok)
+        return self.experts(x, combine), load
+
+
+def load_max_over_mean(loads: jax.Array) -> jax.Array:
+    """loads [L, E] -> max/mean over experts, averaged over layers (1.0 = perfectly balanced)."""
+    return jnp.mean(jnp.max(loads, axis=-1) / jnp.mean(loads, axis=-1))
+
+
+def update_router_bias(others: tuple, loads: jax.Array, rate: float) -> tuple:
+    """bias_i <- bias_i + rate * sign(mean(load_i) - load_i) for every layer i's RouterBias.
+
+    others: the non-Param states from `nnx.split(model, nnx.Param, ...)`; loads [L, E] in layer
+    order. Returns others with the same structure. Runs outside any gradient.
+    """
+    delta = rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)  # [L, E]
+
+    def step(path: tuple, leaf: Any) -> Any:
+        keys = [getattr(p, "key", getattr(p, "idx", None)) for p in path]
+        if "router_bias" not in keys:
+            return leaf
+        layer = keys[keys.index("layers") + 1]
+        return leaf + delta[int(layer)].astype(leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(step, others)

@@ -145,6 +145,15 @@ def _prepare(
         "rng": rng,
     }
     state_sh = {"params": parts.param_shardings, "opt_state": o_sh, "step": rep, "rng": rep}
+    rate = cfg.model.router_bias_update_rate
+    if rate > 0:
+        # MoE routing biases move outside the gradient each step, so they are train state too
+        # (and are checkpointed in meta, see _save).
+        others = parts.others
+        if resume and "router_bias" in meta:
+            others = _others_from_meta(parts.others, meta["router_bias"], rep)
+        state["others"] = others
+        state_sh["others"] = jax.tree.map(lambda _: rep, others)
 
     t = cfg.training
     batches = train_batches(
@@ -159,6 +168,7 @@ def _prepare(
             schedule,
             objective=t.objective,
             pg_clip_epsilon=t.pg_clip_epsilon,
+            router_bias_update_rate=rate,
         ),
         in_shardings=(state_sh, b_sh),
         out_shardings=(state_sh, rep),
@@ -333,6 +343,19 @@ def _loop(
     return TrainResult("completed", 0, summary)
 
 
+def _others_from_meta(reference: tuple, saved: list, sharding) -> tuple:
+    """The checkpointed router biases, in the model's non-parameter state layout."""
+    leaves, treedef = jax.tree.flatten(reference)
+    if len(leaves) != len(saved):
+        raise CheckpointError(
+            f"the checkpoint holds {len(saved)} router-bias arrays but this model has {len(leaves)}; "
+            "resume with the model the checkpoint was made with"
+        )
+    arrays = [jax.device_put(np.asarray(v, dtype=ref.dtype).reshape(ref.shape), sharding)
+              for ref, v in zip(leaves, saved, strict=True)]  # fmt: skip
+    return jax.tree.unflatten(treedef, arrays)
+
+
 def _save(run: Run, step: int, eval_metrics: dict[str, float] | None) -> None:
     meta = {
         "step": step,
@@ -344,6 +367,10 @@ def _save(run: Run, step: int, eval_metrics: dict[str, float] | None) -> None:
         "fingerprint": run.fingerprint,
         "config": resolved_dict(run.cfg),
     }
+    if "others" in run.state:  # MoE router biases: small fp32 vectors, exact through JSON
+        meta["router_bias"] = [
+            np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(run.state["others"]))
+        ]
     metrics = {"val_loss": eval_metrics[run.cfg.evals[0].name]} if eval_metrics else None
     if run.ckpt.save(
         step,

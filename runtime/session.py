@@ -57,9 +57,8 @@ def ensure_manifest(cfg: DataConfig, *, is_writer: bool = True) -> Manifest:
 
 
 def _abstract_model(cfg: ModelConfig, seed: int) -> nnx.Module:
-    # Eager sharding off: logical names are metadata here; mesh placement is ours (sharding.py).
-    with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(params=seed)))
+    # Decoder records logical names only (eager_sharding=False); mesh placement is sharding.py's.
+    return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(params=seed)))
 
 
 def param_shardings(abstract_params: nnx.State, mesh: Mesh) -> Any:
@@ -81,8 +80,7 @@ def build_model(cfg: ModelConfig, seed: int, mesh: Mesh, *, materialise: bool = 
     o_sh = jax.tree.map(lambda _: replicated(mesh), abs_others)
 
     def init():
-        with nnx.use_eager_sharding(False):
-            model = Decoder(cfg, rngs=nnx.Rngs(params=seed))
+        model = Decoder(cfg, rngs=nnx.Rngs(params=seed))
         _, params, others = nnx.split(model, nnx.Param, ...)
         return params, others
 

@@ -179,6 +179,13 @@ class PrepareConfig(Section):
         min_length=1,
         description="Globs of text/JSONL files; '{stdlib}' expands to this Python's standard-library folder.",
     )
+    format: Literal["text", "rollouts"] = Field(
+        "text",
+        description=(
+            "text: documents (files, or JSONL 'text' fields) packed into a token stream; rollouts: "
+            "JSONL rollouts (prompt, completion, advantages, old_logprobs), one per row."
+        ),
+    )
     tokenizer: str = Field("byte", description="'byte' or a path to a local tokenizer.json.")
     val_fraction: Annotated[float, Field(ge=0, lt=1)] = Field(
         0.05, description="Share of documents held out as the validation split."
@@ -214,7 +221,7 @@ class TrainingConfig(Section):
         "cross_entropy",
         description=(
             "cross_entropy: next-token loss; clipped_pg: PPO/GRPO-style clipped policy gradient on "
-            "per-token advantages and old log-probs carried by the batch."
+            "the per-token advantages and old log-probs of a rollouts manifest."
         ),
     )
     pg_clip_epsilon: Annotated[float, Field(gt=0, lt=1)] = Field(

@@ -111,6 +111,8 @@ def runtime_diagnostics(cfg: RunConfig, mesh, manifest, batches, param_shardings
                 "records_per_epoch": batches.records_per_epoch,
                 "rows_per_step": batches.rows_per_step,
                 "local_rows": batches.local_rows,
+                "layout": manifest.layout,
+                "fields": ["loss_mask", *batches.fields] if batches.rollouts else [],
             },
         },
         "python": platform.python_version(),

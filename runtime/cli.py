@@ -219,20 +219,36 @@ def data_group() -> None:
 @click.option(
     "--max-bytes", default=None, type=int, help="Stop reading inputs after this many bytes."
 )
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "rollouts"]),
+    default="text",
+    show_default=True,
+    help="text: documents into a token stream; rollouts: RL/SFT rollout JSONL, one per row.",
+)
 @click.option("--json", "as_json", is_flag=True)
-def data_prepare(inputs, tokenizer, out, val_fraction, max_bytes, as_json) -> None:
-    """Tokenize text/JSONL files into token shards and a manifest.json."""
+def data_prepare(inputs, tokenizer, out, val_fraction, max_bytes, fmt, as_json) -> None:
+    """Tokenize text/JSONL files (or rollout JSONL) into token shards and a manifest.json.
+
+    Rollout lines: {"prompt_ids" | "prompt", "completion_ids" | "completion",
+    "advantage" | "advantages", "old_logprobs"}; see the README's "RL rollouts".
+    """
     from runtime.data.prepare import prepare_dataset
 
     m = prepare_dataset(
-        list(inputs), tokenizer, out, val_fraction=val_fraction, max_bytes=max_bytes
+        list(inputs), tokenizer, out, val_fraction=val_fraction, max_bytes=max_bytes, format=fmt
     )
     summary = json.loads(m.model_dump_json())
     if as_json:
         _print_json(summary)
     else:
+        what = ""
+        if m.layout == "rollouts":
+            what = f", {m.total_documents} rollouts with {', '.join(m.field_names)}"
         click.echo(
-            f"wrote {out.rstrip('/')}/manifest.json (tokenizer {m.tokenizer.id}, fingerprint {m.fingerprint})"
+            f"wrote {out.rstrip('/')}/manifest.json (tokenizer {m.tokenizer.id}, fingerprint "
+            f"{m.fingerprint}{what})"
         )
 
 

@@ -111,7 +111,7 @@ def preflight(cfg: RunConfig) -> dict[str, Any]:
                 None,
             )
         m = load_manifest(cfg.data.manifest)
-        check_for_run(m, cfg.data, cfg.model.vocab_size)
+        check_for_run(m, cfg.data, cfg.model.vocab_size, cfg.training)
         train = m.split("train")
         return (
             f"{cfg.data.manifest}: {train.tokens:,} train tokens, tokenizer {m.tokenizer.id}",

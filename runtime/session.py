@@ -50,6 +50,7 @@ def ensure_manifest(cfg: DataConfig, *, is_writer: bool = True) -> Manifest:
                 out_dir,
                 val_fraction=cfg.prepare.val_fraction,
                 max_bytes=cfg.prepare.max_bytes,
+                format=cfg.prepare.format,
             )
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("jaxjob:data-prepared")

@@ -191,17 +191,6 @@ def _prepare(
     )  # fmt: skip
 
 
-def _check_objective_data(cfg: RunConfig) -> None:
-    """The data must supply what the objective consumes; today only cross_entropy's tokens."""
-    if cfg.training.objective == "clipped_pg":
-        raise ConfigError(
-            "training.objective = 'clipped_pg' needs batches with per-token advantages and old "
-            "log-probs, which prepared-token manifests do not carry; no data source for such RL "
-            "batches is built yet, so set training.objective = 'cross_entropy' to train on "
-            f"{cfg.data.manifest}"
-        )
-
-
 def train(
     cfg: RunConfig,
     source_toml: str,
@@ -222,8 +211,7 @@ def train(
     t_start = time.perf_counter()
     store, resume = _open_run(cfg, resume, writer_index)
     manifest = ensure_manifest(cfg.data, is_writer=store.is_writer)
-    check_for_run(manifest, cfg.data, cfg.model.vocab_size)
-    _check_objective_data(cfg)
+    check_for_run(manifest, cfg.data, cfg.model.vocab_size, cfg.training)
     mesh = build_mesh(cfg.mesh)
     ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     try:

@@ -5,6 +5,9 @@ shaped [accum, rows, seq_len]; microbatches are scanned, their gradients of the 
 added, and the total divided once by the global count of counted tokens, so accumulation over
 k microbatches gives the same update as one batch k times larger.
 
+clipped_pg: metrics add `pg_clip_fraction`, the share of counted tokens whose probability ratio
+was clipped (their gradient is zero).
+
 MoE (family "qwen3_moe"): metrics add `expert_load_max_over_mean`. With router_bias_update_rate
 > 0 the state must also carry "others" (the non-Param model state, `ModelParts.others`, holding
 each layer's RouterBias): the step then reads the model's non-Param state from there instead of
@@ -43,18 +46,19 @@ def _loss_sums(
     pg_clip_epsilon: float = 0.2,
     with_loads: bool = False,
 ) -> tuple[jax.Array, Any]:
-    """(loss sum, count); with_loads: (loss sum, (count, expert loads [L, E] or None))."""
+    """(loss sum, count); with_loads: (loss sum, (count, clipped, expert loads [L, E] or None)),
+    where clipped counts the clipped_pg tokens whose ratio was clipped (0 for cross-entropy)."""
     model = nnx.merge(graphdef, params, *others)
     logits, loads = model.forward_with_loads(mb["inputs"], mb["positions"], mb["segment_ids"])
-    loss_sum, count = _sums_of(logits, mb, objective, pg_clip_epsilon)
-    return (loss_sum, (count, loads)) if with_loads else (loss_sum, count)
+    loss_sum, count, clipped = _sums_of(logits, mb, objective, pg_clip_epsilon)
+    return (loss_sum, (count, clipped, loads)) if with_loads else (loss_sum, count)
 
 
 def _sums_of(
     logits: jax.Array, mb: Batch, objective: str, pg_clip_epsilon: float
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     if objective == "clipped_pg":
-        loss_sum, count, _clipped = clipped_pg_sums(
+        return clipped_pg_sums(
             logits,
             mb["targets"],
             mb["loss_mask"],
@@ -62,8 +66,7 @@ def _sums_of(
             mb["old_logprobs"],
             pg_clip_epsilon,
         )
-        return loss_sum, count
-    return cross_entropy_sums(logits, mb["targets"], mb["loss_mask"])
+    return (*cross_entropy_sums(logits, mb["targets"], mb["loss_mask"]), jnp.zeros(()))
 
 
 def make_train_step(
@@ -105,13 +108,15 @@ def make_train_step(
         model_others = state.get("others", others)
 
         def micro(carry, mb):
-            grads, loss_sum, count = carry
-            (ls, (c, loads)), g = grad_fn(model_others, params, mb)
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + ls, count + c), loads
+            grads, loss_sum, count, clipped = carry
+            (ls, (c, k, loads)), g = grad_fn(model_others, params, mb)
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + ls, count + c, clipped + k), loads
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grads, loss_sum, count), loads = jax.lax.scan(micro, init, batch)
+        scalar = jnp.zeros((), jnp.float32)
+        (grads, loss_sum, count, clipped), loads = jax.lax.scan(
+            micro, (zeros, scalar, scalar, scalar), batch
+        )
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
@@ -126,6 +131,8 @@ def make_train_step(
             "param_norm": optax.tree.norm(new_params),
             "lr": schedule(state["step"]),
         }
+        if objective == "clipped_pg":  # share of counted tokens whose probability ratio was clipped
+            metrics["pg_clip_fraction"] = clipped / denom
         new_state = {
             "params": new_params,
             "opt_state": opt_state,

@@ -249,8 +249,9 @@ def test_local_refuses_clipped_pg_on_token_manifests(prepared, tmp_path, capsys)
     assert int(exc.value.code or 0) == 2
     assert len(lines) == 1 and "Traceback" not in err, err
     assert (
-        "training.objective = 'clipped_pg' needs batches with per-token advantages and old "
-        "log-probs, which prepared-token manifests do not carry" in lines[0]
+        "training.objective = 'clipped_pg' needs per-token advantages and old_logprobs but "
+        in lines[0]
     )
+    assert "is a text token stream" in lines[0] and "--format rollouts" in lines[0]
     # Ended before training: no checkpoint was written.
     assert not list((tmp_path / "runs").rglob("checkpoints/*/"))

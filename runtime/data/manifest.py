@@ -16,6 +16,16 @@ Directory layout (all paths in the manifest are relative to its folder):
                                   every document in the split's concatenated stream, then its total
     validation-00000.bin …, validation-offsets.bin   the same for the validation split
 Shards are cut by token count, not at document ends: a document may span two shards.
+
+Layouts. "stream" (text): documents are concatenated and rows are cut from the stream.
+"rollouts" (RL / SFT data, see rollouts.py): every document is one rollout (prompt then
+completion) and a row holds exactly one rollout. A rollouts split also carries per-token fields,
+streams aligned one to one with the tokens and cut into shards at the same token counts:
+    train-loss_mask-00000.bin      uint8, 1 where the token is a completion token (a trained target)
+    train-advantages-00000.bin     float32, the token's advantage (0 outside the completion)
+    train-old_logprobs-00000.bin   float32, log p(token) under the sampling policy (0 outside)
+A field value at stream position k belongs to token k *as a target*: the prediction of token k
+from the tokens before it in its rollout.
 """
 
 from __future__ import annotations
@@ -57,6 +67,14 @@ class ShardInfo(_Model):
     sha256: str
 
 
+FIELD_DTYPES = {"loss_mask": "uint8", "advantages": "float32", "old_logprobs": "float32"}
+
+
+class FieldInfo(_Model):
+    dtype: Literal["uint8", "float32"]
+    shards: list[ShardInfo] = Field(description="Aligned with the split's token shards.")
+
+
 class SplitInfo(_Model):
     tokens: int = Field(ge=0)
     documents: int = Field(ge=0)
@@ -64,6 +82,12 @@ class SplitInfo(_Model):
     shards: list[ShardInfo]
     offsets: str = Field(description="int64 document start offsets (documents+1 entries).")
     offsets_sha256: str
+    fields: dict[Literal["loss_mask", "advantages", "old_logprobs"], FieldInfo] = Field(
+        default_factory=dict, description="Per-token streams aligned with the tokens (rollouts)."
+    )
+    max_document_tokens: int | None = Field(
+        None, ge=0, description="Tokens of the longest document (rollouts layout)."
+    )
 
 
 class Splits(_Model):
@@ -84,6 +108,9 @@ class Manifest(_Model):
     version: Literal[1] = VERSION
     tokenizer: TokenizerInfo
     token_dtype: Literal["uint16", "uint32"]
+    layout: Literal["stream", "rollouts"] = Field(
+        "stream", description="stream: rows cut from the documents' stream; rollouts: one per row."
+    )
     splits: Splits
     total_tokens: int = Field(ge=0)
     total_documents: int = Field(ge=0)
@@ -112,6 +139,11 @@ class Manifest(_Model):
     def uri_of(self, rel: str) -> str:
         return join(self.root, rel)
 
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        """The per-token fields every split carries (empty for a text stream)."""
+        return tuple(self.splits.train.fields)
+
 
 def token_dtype_for(vocab_size: int) -> Literal["uint16", "uint32"]:
     return "uint16" if vocab_size <= 65536 else "uint32"
@@ -119,11 +151,17 @@ def token_dtype_for(vocab_size: int) -> Literal["uint16", "uint32"]:
 
 def compute_fingerprint(m: Manifest) -> str:
     h = hashlib.sha256(f"{FORMAT}/{VERSION}|{m.tokenizer.id}|{m.token_dtype}".encode())
+    if m.layout != "stream":  # a text stream hashes as it did before layouts existed
+        h.update(f"|layout:{m.layout}".encode())
     for name in ("train", "validation"):
         s = m.split(name)
         h.update(f"|{name}:{s.offsets_sha256}".encode())
         for sh in s.shards:
             h.update(f",{sh.tokens}:{sh.sha256}".encode())
+        for field, info in sorted(s.fields.items()):
+            h.update(f"|{field}:{info.dtype}".encode())
+            for sh in info.shards:
+                h.update(f",{sh.tokens}:{sh.sha256}".encode())
     return h.hexdigest()[:16]
 
 
@@ -199,6 +237,7 @@ def load_manifest(uri: str) -> Manifest:
 
 
 def _check_consistency(m: Manifest, uri: str) -> None:
+    names = set(m.splits.train.fields)
     for name in ("train", "validation"):
         s = m.split(name)
         if sum(sh.tokens for sh in s.shards) != s.tokens:
@@ -206,6 +245,19 @@ def _check_consistency(m: Manifest, uri: str) -> None:
                 f"data manifest {uri}: splits.{name}.tokens ({s.tokens}) is not the sum of its shard "
                 "token counts; re-run `runtime data prepare`"
             )
+        if set(s.fields) != names or (names and m.layout != "rollouts"):
+            raise DataError(
+                f"data manifest {uri}: splits.{name}.fields {sorted(s.fields)} do not match the "
+                f"manifest's layout {m.layout!r} and train fields {sorted(names)}; re-run "
+                "`runtime data prepare`"
+            )
+        want = [sh.tokens for sh in s.shards]
+        for field, info in s.fields.items():
+            if info.dtype != FIELD_DTYPES[field] or [sh.tokens for sh in info.shards] != want:
+                raise DataError(
+                    f"data manifest {uri}: field {field} of split {name} is not a "
+                    f"{FIELD_DTYPES[field]} stream cut like its tokens; re-run `runtime data prepare`"
+                )
     if m.fingerprint != compute_fingerprint(m):
         raise DataError(
             f"data manifest {uri}: fingerprint {m.fingerprint} does not match its contents; the file "
@@ -224,6 +276,10 @@ def _check_files(m: Manifest, uri: str) -> None:
             f"document offsets file {s.offsets}",
             (s.documents + 1) * OFFSET_DTYPE.itemsize,
         )
+        for field, info in s.fields.items():
+            size = np.dtype(info.dtype).itemsize
+            for sh in info.shards:
+                expected[m.uri_of(sh.path)] = (f"{field} shard {sh.path}", sh.tokens * size)
     fs, _ = url_to_fs(m.root)
     paths = {url_to_fs(u)[1]: u for u in expected}
     sizes = _sizes(fs, list(paths))
@@ -252,6 +308,44 @@ def _hash_file(fs: Any, path: str, dtype: np.dtype | None) -> tuple[str, int]:
             if dtype is not None and len(chunk) >= dtype.itemsize:
                 mx = max(mx, int(np.frombuffer(chunk, dtype=dtype).max()))
     return h.hexdigest(), mx
+
+
+def _hash_field(fs: Any, path: str, dtype: str) -> tuple[str, int]:
+    """(sha256, count of invalid values) of a field shard: a loss mask holds only 0 and 1, a
+    float field only finite numbers."""
+    h = hashlib.sha256()
+    bad = 0
+    dt = np.dtype(dtype).newbyteorder("<")
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+            v = np.frombuffer(chunk, dtype=dt)
+            bad += int(
+                np.count_nonzero(v > 1) if dtype == "uint8" else np.count_nonzero(~np.isfinite(v))
+            )
+    return h.hexdigest(), bad
+
+
+def _check_fields_deep(m: Manifest, uri: str, name: str) -> int:
+    """Re-hash and scan every field shard of a split; returns the number of files checked."""
+    checked = 0
+    for field, info in m.split(name).fields.items():
+        for sh in info.shards:
+            fs, path = url_to_fs(m.uri_of(sh.path))
+            digest, bad = _hash_field(fs, path, info.dtype)
+            if digest != sh.sha256:
+                raise DataError(
+                    f"data manifest {uri}: {field} shard {sh.path} does not match its recorded "
+                    "sha256; the file changed, re-run `runtime data prepare`"
+                )
+            if bad:
+                what = "values other than 0 and 1" if info.dtype == "uint8" else "non-finite values"
+                raise DataError(
+                    f"data manifest {uri}: {field} shard {sh.path} holds {bad} {what}; re-run "
+                    "`runtime data prepare`"
+                )
+            checked += 1
+    return checked
 
 
 def read_offsets(m: Manifest, split: str) -> np.ndarray:
@@ -299,7 +393,7 @@ def check_manifest(uri: str, deep: bool = False) -> dict[str, Any]:
                     f"data manifest {uri}: document offsets in {s.offsets} are not increasing from 0 "
                     f"to {s.tokens}; re-run `runtime data prepare`"
                 )
-            checked += 1
+            checked += 1 + _check_fields_deep(m, uri, name)
     return {
         "manifest": uri,
         "ok": True,
@@ -308,6 +402,8 @@ def check_manifest(uri: str, deep: bool = False) -> dict[str, Any]:
         "fingerprint": m.fingerprint,
         "tokenizer": m.tokenizer.model_dump(),
         "token_dtype": m.token_dtype,
+        "layout": m.layout,
+        "fields": list(m.field_names),
         "max_token_id": m.max_token_id,
         "total_tokens": m.total_tokens,
         "total_documents": m.total_documents,

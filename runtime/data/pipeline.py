@@ -2,7 +2,7 @@
 
 Public API:
     TokenBatches(manifest, split, seq_len, global_batch_size, accum=1, order="shuffle", seed=0,
-                 process_index=0, process_count=1, prefetch=2)
+                 process_index=0, process_count=1, prefetch=2, fields=())
         .iterate(start_step=0, stop_step=None) -> BatchIterator   Grain-backed, prefetching
         .read_step(step) -> dict[str, np.ndarray]                 this process's arrays, no Grain
         .record_ids(step) -> np.ndarray                           the step's R global record ids
@@ -17,7 +17,9 @@ Public API:
                   process_count) -> TokenBatches             the builder from a run config
     eval_batches(manifest, split, seq_len, global_batch_size, num_batches, process_index=0,
                  process_count=1, prefetch=2) -> BatchIterator     fixed sequential batches, accum 1
-    check_for_run(manifest, data: DataConfig, vocab_size)     = check_tokenizer + check_vocab
+    check_for_run(manifest, data: DataConfig, vocab_size, training=None)   the start-of-run checks:
+        check_tokenizer, check_vocab, check_order and (with training) check_objective + seq_len
+    OBJECTIVE_FIELDS[objective]                               per-token fields the objective reads
     check_vocab(manifest, vocab_size) / check_tokenizer(manifest, spec)   start-of-run checks
     TokenStream(manifest, split).read(start, stop)            the split's concatenated token stream
 
@@ -38,6 +40,14 @@ Batch dict (numpy, shape [accum, global_batch_size // P, seq_len]):
 For sequential/shuffle, segment_ids are 1, positions 0..T-1 and loss_mask 1 everywhere. For
 document_buffer, the target of each document's last token (the join into the next document) has
 loss_mask 0.
+
+Rollouts (a manifest with layout "rollouts", see rollouts.py): record i is rollout i, one per row
+and never cut (seq_len must hold its longest rollout); orders sequential and shuffle permute
+rollouts as above, document_buffer is refused. A rollout of L tokens fills row positions
+0..L-2 (inputs its tokens 0..L-2, targets 1..L-1, segment 1); the rest is padding (inputs and
+targets 0, segment 0, loss_mask 0). loss_mask is the rollout's (1 on completion targets) and
+`fields` adds the requested per-token float32 arrays ("advantages", "old_logprobs") of the
+targets, 0 on padding.
 
 State. Grain iterates a MapDataset whose index is the step, so Grain's own iterator state
 {"next_index": step} is exact; get_state() wraps it with the identity of the order (fingerprint,
@@ -66,18 +76,26 @@ from runtime.storage import is_remote, url_to_fs
 Order = Literal["sequential", "shuffle", "document_buffer"]
 ORDERS = ("sequential", "shuffle", "document_buffer")
 STATE_KIND = "jaxjob.token_batches/1"
+# Per-token fields (besides tokens and loss_mask) each objective reads from a rollouts manifest.
+OBJECTIVE_FIELDS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "clipped_pg": ("advantages", "old_logprobs"),
+}
 _EPOCH_CACHE = 4  # a step may straddle an epoch end; prefetch threads may be a step or two apart
 
 
 class TokenStream:
-    """Random access to a split's tokens: np.memmap locally, fsspec range reads on gs://."""
+    """Random access to a split's tokens (or, with `field`, to one of its per-token fields):
+    np.memmap locally, fsspec range reads on gs://."""
 
-    def __init__(self, manifest: Manifest, split: str):
+    def __init__(self, manifest: Manifest, split: str, field: str | None = None):
         s = manifest.split(split)
-        self.dtype = np.dtype(manifest.token_dtype).newbyteorder("<")
+        shards = s.shards if field is None else s.fields[field].shards  # type: ignore[index]
+        dtype = manifest.token_dtype if field is None else s.fields[field].dtype  # type: ignore[index]
+        self.dtype = np.dtype(dtype).newbyteorder("<")
         self.length = s.tokens
-        self.starts = np.cumsum([0] + [sh.tokens for sh in s.shards], dtype=np.int64)
-        self._uris = [manifest.uri_of(sh.path) for sh in s.shards]
+        self.starts = np.cumsum([0] + [sh.tokens for sh in shards], dtype=np.int64)
+        self._uris = [manifest.uri_of(sh.path) for sh in shards]
         self.remote = is_remote(manifest.root)
         self._files: list[Any] = [None] * len(self._uris)
         self._lock = threading.Lock()
@@ -183,9 +201,17 @@ class TokenBatches:
         process_index: int = 0,
         process_count: int = 1,
         prefetch: int = 2,
+        fields: tuple[str, ...] = (),
     ):
         if order not in ORDERS:
             raise ConfigError(f"data.order is {order!r}; use one of {', '.join(ORDERS)}")
+        check_order(manifest, order)
+        if missing := [f for f in fields if f not in manifest.field_names]:
+            raise DataError(
+                f"the batches need the per-token fields {missing} but {manifest.root} "
+                f"({manifest.layout} layout) carries {list(manifest.field_names)}; prepare "
+                "rollouts that have them (`runtime data prepare --format rollouts`)"
+            )
         if seq_len <= 0 or global_batch_size <= 0 or accum <= 0:
             raise ConfigError(
                 "training.seq_len, training.global_batch_size and "
@@ -207,7 +233,17 @@ class TokenBatches:
         self.prefetch = prefetch
         self.stream = TokenStream(manifest, split)
         self._iterators: weakref.WeakSet[BatchIterator] = weakref.WeakSet()
-        self.records_per_epoch = (self.stream.length - 1) // seq_len
+        self.rollouts = manifest.layout == "rollouts"
+        self.fields = tuple(fields)
+        if self.rollouts:
+            self._init_rollouts(split)
+        else:
+            self.records_per_epoch = (self.stream.length - 1) // seq_len
+        if self.records_per_epoch < 1 and self.rollouts:
+            raise DataError(
+                f"the {split} split of {manifest.root} holds no rollouts; prepare more rollouts"
+                + (" or set data.prepare.val_fraction > 0" if split == "validation" else "")
+            )
         if self.records_per_epoch < 1:
             hint = " (data.prepare.val_fraction > 0 fills it)" if split == "validation" else ""
             raise DataError(
@@ -228,6 +264,23 @@ class TokenBatches:
             "loss_mask": np.ones(seq_len, np.float32),
             "segment_ids": np.ones(seq_len, np.int32),
             "positions": np.arange(seq_len, dtype=np.int32),
+        }
+
+    def _init_rollouts(self, split: str) -> None:
+        """One record per rollout: its token range, and the aligned field streams."""
+        offsets = read_offsets(self.manifest, split)
+        self._doc_starts, self._doc_lens = offsets[:-1], np.diff(offsets)
+        self.records_per_epoch = len(self._doc_lens)
+        longest = int(self._doc_lens.max()) if len(self._doc_lens) else 0
+        if longest - 1 > self.seq_len:
+            raise DataError(
+                f"the longest rollout in the {split} split of {self.manifest.root} has {longest} "
+                f"tokens, so it needs {longest - 1} predictions but a row holds training.seq_len = "
+                f"{self.seq_len}; raise training.seq_len to at least {longest - 1} (rollouts are "
+                "never cut)"
+            )
+        self._field_streams = {
+            f: TokenStream(self.manifest, split, f) for f in ("loss_mask", *self.fields)
         }
 
     # --- order: which record is global sample n -------------------------------------------------
@@ -288,10 +341,38 @@ class TokenBatches:
                 mask[b - 1] = 0.0
             pos, j = end, j + 1
 
+    def _read_rollout_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """One rollout per row, left-aligned; the rest of the row is padding (segment 0, masked).
+
+        A rollout of L tokens fills positions 0..L-2: inputs are its tokens 0..L-2 and targets,
+        loss mask and fields are those of its tokens 1..L-1 (a field belongs to its target)."""
+        shape = rows.shape + (self.seq_len,)
+        out = {
+            "inputs": np.zeros(shape, np.int32),
+            "targets": np.zeros(shape, np.int32),
+            "loss_mask": np.zeros(shape, np.float32),
+            "segment_ids": np.zeros(shape, np.int32),
+            "positions": np.zeros(shape, np.int32),
+            **{f: np.zeros(shape, np.float32) for f in self.fields},
+        }
+        for idx in np.ndindex(rows.shape):
+            d = int(rows[idx])
+            lo, n = int(self._doc_starts[d]), int(self._doc_lens[d]) - 1
+            tokens = self.stream.read(lo, lo + n + 1)
+            out["inputs"][idx][:n] = tokens[:-1]
+            out["targets"][idx][:n] = tokens[1:]
+            out["segment_ids"][idx][:n] = 1
+            out["positions"][idx][:n] = np.arange(n)
+            for f, stream in self._field_streams.items():
+                out[f][idx][:n] = stream.read(lo + 1, lo + n + 1)
+        return out
+
     def read_step(self, step: int, ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """This process's [accum, local_rows, seq_len] arrays for `step` (what Grain maps)."""
         T = self.seq_len
         rows = (self.record_ids(step) if ids is None else ids)[self._local_j]
+        if self.rollouts:
+            return self._read_rollout_rows(rows)
         shape = rows.shape
         tokens = np.empty(shape + (T + 1,), np.int32)
         if self.order == "document_buffer":
@@ -373,6 +454,8 @@ class TokenBatches:
             "process_count": self.process_count,
             "prefetch": self.prefetch,
             "remote": self.stream.remote,
+            "layout": self.manifest.layout,
+            "fields": ["loss_mask", *self.fields] if self.rollouts else [],
         }
 
 
@@ -453,6 +536,7 @@ def train_batches(
         process_index=process_index,
         process_count=process_count,
         prefetch=data.prefetch,
+        fields=OBJECTIVE_FIELDS[training.objective],
     )
 
 
@@ -485,10 +569,56 @@ def eval_batches(
     return batches.iterate(0, num_batches)
 
 
-def check_for_run(manifest: Manifest, data: DataConfig, vocab_size: int) -> None:
-    """Both start-of-run checks: data.tokenizer matches the manifest, ids fit model.vocab_size."""
+def check_for_run(
+    manifest: Manifest, data: DataConfig, vocab_size: int, training: TrainingConfig | None = None
+) -> None:
+    """The start-of-run checks: data.tokenizer matches the manifest, ids fit model.vocab_size,
+    and (given the training section) the order, objective and seq_len fit the manifest's layout."""
     check_tokenizer(manifest, data.tokenizer)
     check_vocab(manifest, vocab_size)
+    check_order(manifest, data.order)
+    if training is not None:
+        check_objective(manifest, training.objective)
+        longest = manifest.splits.train.max_document_tokens
+        if manifest.layout == "rollouts" and longest is not None and longest - 1 > training.seq_len:
+            raise DataError(
+                f"the longest rollout in the train split of {manifest.root} has {longest} tokens, "
+                f"so it needs {longest - 1} predictions but a row holds training.seq_len = "
+                f"{training.seq_len}; raise training.seq_len to at least {longest - 1} (rollouts "
+                "are never cut)"
+            )
+
+
+def check_order(manifest: Manifest, order: str) -> None:
+    """A rollouts manifest holds one rollout per row: packing would cut rollouts apart."""
+    if manifest.layout == "rollouts" and order == "document_buffer":
+        raise ConfigError(
+            "data.order = 'document_buffer' packs documents across rows, which would cut rollouts "
+            f"apart; {manifest.root} is a rollouts manifest (one rollout per row), so set data.order "
+            "to 'shuffle' or 'sequential'"
+        )
+
+
+def check_objective(manifest: Manifest, objective: str) -> None:
+    """The manifest must carry every per-token field the objective consumes."""
+    missing = [f for f in OBJECTIVE_FIELDS[objective] if f not in manifest.field_names]
+    if not missing:
+        return
+    where = f"{manifest.root}/manifest.json"
+    if manifest.layout == "stream":
+        what = (
+            f"{where} is a text token stream; prepare rollout JSONL with `runtime data prepare "
+            '--format rollouts` (README, "RL rollouts")'
+        )
+    else:
+        what = (
+            f"{where} holds supervised rollouts (no advantages or old log-probs); prepare it from "
+            'rollout lines that carry "advantage" (or "advantages") and "old_logprobs"'
+        )
+    raise DataError(
+        f"training.objective = {objective!r} needs per-token {' and '.join(missing)} but {what}, "
+        "or set training.objective = 'cross_entropy'"
+    )
 
 
 def check_vocab(manifest: Manifest, vocab_size: int) -> None:

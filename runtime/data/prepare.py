@@ -2,7 +2,7 @@
 
 Public API:
     prepare_dataset(inputs, tokenizer, out, val_fraction=0.05, max_bytes=None,
-                    shard_tokens=DEFAULT_SHARD_TOKENS) -> Manifest
+                    shard_tokens=DEFAULT_SHARD_TOKENS, format="text") -> Manifest
     expand_inputs(inputs: list[str]) -> list[str]     the sorted files the globs select
 
 Rules (the manifest format is described in manifest.py):
@@ -18,6 +18,9 @@ Rules (the manifest format is described in manifest.py):
     document i goes to validation when i % k == 1, so with two or more documents both splits
     are non-empty; val_fraction = 0 puts everything in train.
   * manifest.json is removed first and written last, so a folder mid-prepare has none.
+  * format "rollouts": every input is rollout JSONL (rollouts.py); each rollout is one document
+    (prompt then completion, no eos added) with its per-token fields; max_bytes is refused, the
+    split rule is the same.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ import re
 import sysconfig
 from array import array
 from collections.abc import Iterator
+from typing import Literal
 
 import numpy as np
 
 from jobspec.errors import DataError
 from runtime.data.manifest import (
     OFFSET_DTYPE,
+    FieldInfo,
     Manifest,
     ShardInfo,
     SourceInfo,
@@ -46,12 +51,17 @@ from runtime.data.manifest import (
     token_dtype_for,
     write_manifest,
 )
+from runtime.data.rollouts import Rollout, read_rollouts, rollout_fields
 from runtime.data.tokenizer import Tokenizer, load_tokenizer
 from runtime.storage import is_remote, join, url_to_fs
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 128 MiB of uint16 per shard: few files, cheap range reads
 ENCODE_BATCH = 256  # documents per tokenizer call (the HF tokenizer parallelises a batch)
-_OWN_FILE = re.compile(r"^(train|validation)-(\d{5}|offsets)\.bin$|^manifest\.json(\.tmp)?$")
+_OWN_FILE = re.compile(
+    r"^(train|validation)(-(loss_mask|advantages|old_logprobs))?-\d{5}\.bin$"
+    r"|^(train|validation)-offsets\.bin$|^manifest\.json(\.tmp)?$"
+)
+TOKENS = "tokens"  # the token stream's key among a split writer's streams
 
 
 def _stdlib_dir() -> str:
@@ -112,56 +122,86 @@ def _file_documents(fs, path: str, uri: str) -> Iterator[bytes]:
             if not line.strip():
                 continue
             try:
-                text = json.loads(line).get("text")
+                doc = json.loads(line)
+                text = doc.get("text")
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
                 raise DataError(
                     f"line {lineno} of {uri} is not a JSON object ({e}); write one JSON object "
                     'with a "text" field per line'
                 ) from e
             if not isinstance(text, str):
+                rollout = any(k in doc for k in ("prompt", "prompt_ids", "completion_ids"))
                 raise DataError(
                     f'line {lineno} of {uri} has no string "text" field; give every line of a '
                     '.jsonl input a "text" string'
+                    + (
+                        " (it looks like a rollout: prepare it with --format rollouts)"
+                        if rollout
+                        else ""
+                    )
                 )
             yield text.encode("utf-8")
 
 
 class _SplitWriter:
-    """Appends documents to one split: fixed-size shards, then the offsets file."""
+    """Appends documents to one split: fixed-size shards (tokens and any per-token fields, cut at
+    the same token counts), then the offsets file."""
 
-    def __init__(self, out: str, name: str, dtype: str, shard_tokens: int):
+    def __init__(
+        self,
+        out: str,
+        name: str,
+        dtype: str,
+        shard_tokens: int,
+        fields: dict[str, str] | None = None,
+    ):
         self.out, self.name, self.shard_tokens = out, name, shard_tokens
-        self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.buf: list[np.ndarray] = []
+        self.fields = dict(fields or {})
+        self.dtypes = {
+            TOKENS: np.dtype(dtype).newbyteorder("<"),
+            **{f: np.dtype(d).newbyteorder("<") for f, d in self.fields.items()},
+        }
+        self.buf: dict[str, list[np.ndarray]] = {k: [] for k in self.dtypes}
         self.buf_len = 0
-        self.shards: list[ShardInfo] = []
+        self.shards: dict[str, list[ShardInfo]] = {k: [] for k in self.dtypes}
         self.offsets = array("q", [0])
         self.max_id = -1
+        self.max_doc = 0
 
-    def add(self, ids: np.ndarray) -> None:
-        self.buf.append(ids.astype(self.dtype, copy=False))
+    def add(self, ids: np.ndarray, values: dict[str, np.ndarray] | None = None) -> None:
+        arrays = {TOKENS: ids, **(values or {})}
+        for k, dt in self.dtypes.items():
+            self.buf[k].append(arrays[k].astype(dt, copy=False))
         self.buf_len += len(ids)
         self.offsets.append(self.offsets[-1] + len(ids))
         self.max_id = max(self.max_id, int(ids.max()))
+        self.max_doc = max(self.max_doc, len(ids))
         if self.buf_len >= self.shard_tokens:
-            flat = np.concatenate(self.buf)
-            cut = (len(flat) // self.shard_tokens) * self.shard_tokens
-            for i in range(0, cut, self.shard_tokens):
-                self._write_shard(flat[i : i + self.shard_tokens])
-            self.buf, self.buf_len = [flat[cut:]], len(flat) - cut
+            self._flush(final=False)
 
-    def _write_shard(self, tokens: np.ndarray) -> None:
-        rel = f"{self.name}-{len(self.shards):05d}.bin"
-        data = tokens.tobytes()
+    def _flush(self, final: bool) -> None:
+        flats = {k: np.concatenate(v) for k, v in self.buf.items()}
+        n = len(flats[TOKENS])
+        cut = n if final else (n // self.shard_tokens) * self.shard_tokens
+        for i in range(0, cut, self.shard_tokens):
+            for k, flat in flats.items():
+                self._write_shard(k, flat[i : min(i + self.shard_tokens, cut)])
+        self.buf = {k: [flat[cut:]] for k, flat in flats.items()}
+        self.buf_len = n - cut
+
+    def _write_shard(self, kind: str, values: np.ndarray) -> None:
+        stem = self.name if kind == TOKENS else f"{self.name}-{kind}"
+        rel = f"{stem}-{len(self.shards[kind]):05d}.bin"
+        data = values.tobytes()
         _write_bytes(join(self.out, rel), data)
-        self.shards.append(
-            ShardInfo(path=rel, tokens=len(tokens), sha256=hashlib.sha256(data).hexdigest())
+        self.shards[kind].append(
+            ShardInfo(path=rel, tokens=len(values), sha256=hashlib.sha256(data).hexdigest())
         )
 
     def finish(self) -> SplitInfo:
         if self.buf_len:
-            self._write_shard(np.concatenate(self.buf))
-        self.buf, self.buf_len = [], 0
+            self._flush(final=True)
+        self.buf, self.buf_len = {k: [] for k in self.dtypes}, 0
         rel = f"{self.name}-offsets.bin"
         data = np.asarray(self.offsets, dtype=OFFSET_DTYPE).tobytes()
         _write_bytes(join(self.out, rel), data)
@@ -169,9 +209,14 @@ class _SplitWriter:
             tokens=self.offsets[-1],
             documents=len(self.offsets) - 1,
             max_token_id=self.max_id,
-            shards=self.shards,
+            shards=self.shards[TOKENS],
             offsets=rel,
             offsets_sha256=hashlib.sha256(data).hexdigest(),
+            fields={
+                f: FieldInfo(dtype=d, shards=self.shards[f])  # type: ignore[arg-type]
+                for f, d in self.fields.items()
+            },
+            max_document_tokens=self.max_doc if self.fields else None,
         )
 
 
@@ -215,25 +260,45 @@ def prepare_dataset(
     val_fraction: float = 0.05,
     max_bytes: int | None = None,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    format: Literal["text", "rollouts"] = "text",
 ) -> Manifest:
-    """Tokenize `inputs` into `out` (local folder or gs://…) and return the written manifest."""
+    """Tokenize `inputs` into `out` (local folder or gs://…) and return the written manifest.
+
+    format="rollouts" reads rollout JSONL (see rollouts.py) into the "rollouts" layout."""
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction is {val_fraction}; use a value in [0, 1)")
     if shard_tokens <= 0:
         raise DataError(f"shard_tokens is {shard_tokens}; use a positive token count")
+    if format not in ("text", "rollouts"):
+        raise DataError(f"format is {format!r}; use 'text' or 'rollouts'")
+    if format == "rollouts" and max_bytes is not None:
+        raise DataError(
+            "max_bytes cuts documents at a byte count, which would cut a rollout; leave max_bytes "
+            "unset for format 'rollouts' (select fewer input files instead)"
+        )
     tok = load_tokenizer(tokenizer)
     dtype = token_dtype_for(tok.vocab_size)
     files = expand_inputs(inputs)
+    fields: dict[str, str] = {}
+    if format == "rollouts":
+        kind, docs = read_rollouts(files, tok)
+        fields = rollout_fields(kind)
+    else:
+        eos = np.array([tok.eos_id], dtype=np.int64)
+        docs = (
+            Rollout(np.concatenate([ids, eos]), {})
+            for ids in _encoded(tok, _documents(files, max_bytes))
+            if len(ids)
+        )
     _clear_previous(out)
-    writers = {n: _SplitWriter(out, n, dtype, shard_tokens) for n in ("train", "validation")}
+    writers = {
+        n: _SplitWriter(out, n, dtype, shard_tokens, fields) for n in ("train", "validation")
+    }
     every = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
-    eos = np.array([tok.eos_id], dtype=np.int64)
     kept = 0
-    for ids in _encoded(tok, _documents(files, max_bytes)):
-        if len(ids) == 0:
-            continue
+    for doc in docs:
         split = "validation" if every and kept % every == 1 else "train"
-        writers[split].add(np.concatenate([ids, eos]))
+        writers[split].add(doc.tokens, doc.values)
         kept += 1
     if kept == 0:
         raise DataError(
@@ -246,6 +311,7 @@ def prepare_dataset(
             id=tok.id, kind=tok.kind, vocab_size=tok.vocab_size, eos_id=tok.eos_id, source=tokenizer
         ),
         token_dtype=dtype,
+        layout="rollouts" if format == "rollouts" else "stream",
         splits=splits,
         total_tokens=splits.train.tokens + splits.validation.tokens,
         total_documents=splits.train.documents + splits.validation.documents,

@@ -44,6 +44,8 @@ def live_line(row: dict) -> str:
         f"grad_norm: {row['grad_norm']:.3f}",
         f"lr: {row['lr']:.1e}",
     ]
+    if "pg_clip_fraction" in row:
+        parts.append(f"clipped: {100 * row['pg_clip_fraction']:.1f}%")
     if "tokens_per_s" in row:
         parts.append(f"tps: {row['tokens_per_s']:,.0f}")
     if "mfu" in row:

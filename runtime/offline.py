@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jobspec.errors import JaxjobError
+from jobspec.errors import ConfigError, JaxjobError
 from jobspec.load import parse_run_config
 from jobspec.run_config import EvalConfig, MeshConfig, RunConfig
 from runtime.artifacts import now
@@ -52,6 +52,12 @@ def _restore(run: str, selector: str) -> tuple[ArtifactStore, RunConfig, int, Mo
 
 def eval_checkpoint(run: str, selector: str) -> dict[str, Any]:
     store, cfg, step, parts, mesh = _restore(run, selector)
+    if not cfg.data.manifest:  # `runtime import hf` without --config records no data
+        raise ConfigError(
+            f"run {cfg.run.id!r} has no data manifest (it was imported from Hugging Face without "
+            "--config), so there is nothing to evaluate on; import it again with --config cfg.toml "
+            "naming data.manifest, or sample from it with `runtime sample checkpoint`"
+        )
     manifest = load_manifest(cfg.data.manifest)
     evaluator = Evaluator(cfg, manifest, parts, mesh)
     evals = cfg.evals or [EvalConfig(name="validation")]

@@ -154,6 +154,10 @@ def test_cli_import_then_export_and_sample(tmp_path):
     _same_tensors(load_file(str(src / SINGLE)), load_file(str(tmp_path / "o" / SINGLE)))
     r = run_cli("sample", "checkpoint", str(run_dir), "--prompt-ids", "1,2,3", "--top-k", "1")
     assert r.returncode == 0, r.stderr
+    # Imported without --config there is no data to evaluate on: one sentence, not a bad path.
+    r = run_cli("eval", "checkpoint", str(run_dir), "--checkpoint", "latest")
+    assert r.returncode == 2 and "has no data manifest" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
     # A second import into the same run dir, or from a dir that is not there, is one sentence.
     r = run_cli("import", "hf", str(src), "--out", str(run_dir))
     assert r.returncode == 2 and "already has checkpoints" in r.stderr

@@ -17,7 +17,7 @@ from runtime.data.manifest import load_manifest
 from runtime.data.pipeline import OBJECTIVE_FIELDS, TokenBatches, check_objective
 from runtime.data.prepare import prepare_dataset
 from runtime.loss import token_logprobs
-from runtime.offline import _restore
+from runtime.offline import _restore, eval_checkpoint
 from runtime.session import build_model
 from runtime.sharding import build_mesh
 from runtime.train import train
@@ -350,7 +350,12 @@ def test_clipped_pg_trains_from_rollouts(pg_data, tmp_path):
     assert min(good) > 0.05 and max(bad) < -0.05, change
     # The eval is the completions' cross-entropy (prompt tokens are not counted).
     evals = read_jsonl(tmp_path / "pg/metrics/eval.jsonl")
-    assert evals and all(e["token_count"] > 0 for e in evals)
+    assert [e["step"] for e in evals] == [12, 24]
+    completion_tokens = sum(len(r["completion_ids"]) for r in data)  # 2 batches of 4 = 8 rows
+    assert all(0 < e["token_count"] <= completion_tokens for e in evals)
+    # Offline eval of the final checkpoint reproduces the run's own final eval.
+    offline = eval_checkpoint(str(tmp_path / "pg"), "latest")["results"][0]
+    assert offline["loss"] == pytest.approx(evals[-1]["loss"], rel=1e-6)
 
 
 def test_clipped_pg_resume_is_exact(pg_data, tmp_path):
@@ -382,6 +387,8 @@ def test_runtime_local_clipped_pg_cli(pg_data, tmp_path):
     rows = read_jsonl(tmp_path / "runs/cli/metrics/train.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["pg_clip_fraction"] == 0.0
+    live = [ln for ln in res.stdout.splitlines() if ln.startswith("step: 1 |")]
+    assert len(live) == 1 and live[0].endswith("| clipped: 0.0%"), res.stdout
     diag = json.loads((tmp_path / "runs/cli/diagnostics/runtime.json").read_text())
     assert diag["data"]["pipeline"]["layout"] == "rollouts"
     # A rollout longer than seq_len is refused before training, naming the fix.

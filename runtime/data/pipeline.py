@@ -579,14 +579,15 @@ def check_for_run(
     check_order(manifest, data.order)
     if training is not None:
         check_objective(manifest, training.objective)
-        longest = manifest.splits.train.max_document_tokens
-        if manifest.layout == "rollouts" and longest is not None and longest - 1 > training.seq_len:
-            raise DataError(
-                f"the longest rollout in the train split of {manifest.root} has {longest} tokens, "
-                f"so it needs {longest - 1} predictions but a row holds training.seq_len = "
-                f"{training.seq_len}; raise training.seq_len to at least {longest - 1} (rollouts "
-                "are never cut)"
-            )
+        for split in ("train", "validation"):  # evals read either split: check both up front
+            longest = manifest.split(split).max_document_tokens
+            if manifest.layout == "rollouts" and longest and longest - 1 > training.seq_len:
+                raise DataError(
+                    f"the longest rollout in the {split} split of {manifest.root} has {longest} "
+                    f"tokens, so it needs {longest - 1} predictions but a row holds "
+                    f"training.seq_len = {training.seq_len}; raise training.seq_len to at least "
+                    f"{longest - 1} (rollouts are never cut)"
+                )
 
 
 def check_order(manifest: Manifest, order: str) -> None:

@@ -271,14 +271,7 @@ class TokenBatches:
         offsets = read_offsets(self.manifest, split)
         self._doc_starts, self._doc_lens = offsets[:-1], np.diff(offsets)
         self.records_per_epoch = len(self._doc_lens)
-        longest = int(self._doc_lens.max()) if len(self._doc_lens) else 0
-        if longest - 1 > self.seq_len:
-            raise DataError(
-                f"the longest rollout in the {split} split of {self.manifest.root} has {longest} "
-                f"tokens, so it needs {longest - 1} predictions but a row holds training.seq_len = "
-                f"{self.seq_len}; raise training.seq_len to at least {longest - 1} (rollouts are "
-                "never cut)"
-            )
+        check_rollouts_fit(self.manifest, split, self.seq_len, int(self._doc_lens.max(initial=0)))
         self._field_streams = {
             f: TokenStream(self.manifest, split, f) for f in ("loss_mask", *self.fields)
         }
@@ -579,15 +572,20 @@ def check_for_run(
     check_order(manifest, data.order)
     if training is not None:
         check_objective(manifest, training.objective)
-        for split in ("train", "validation"):  # evals read either split: check both up front
-            longest = manifest.split(split).max_document_tokens
-            if manifest.layout == "rollouts" and longest and longest - 1 > training.seq_len:
-                raise DataError(
-                    f"the longest rollout in the {split} split of {manifest.root} has {longest} "
-                    f"tokens, so it needs {longest - 1} predictions but a row holds "
-                    f"training.seq_len = {training.seq_len}; raise training.seq_len to at least "
-                    f"{longest - 1} (rollouts are never cut)"
-                )
+        if manifest.layout == "rollouts":
+            for split in ("train", "validation"):  # evals read either split: check both up front
+                longest = manifest.split(split).max_document_tokens or 0
+                check_rollouts_fit(manifest, split, training.seq_len, longest)
+
+
+def check_rollouts_fit(manifest: Manifest, split: str, seq_len: int, longest: int) -> None:
+    """A row holds one whole rollout: L tokens make L - 1 predictions."""
+    if longest - 1 > seq_len:
+        raise DataError(
+            f"the longest rollout in the {split} split of {manifest.root} has {longest} tokens, "
+            f"so it needs {longest - 1} predictions but a row holds training.seq_len = {seq_len}; "
+            f"raise training.seq_len to at least {longest - 1} (rollouts are never cut)"
+        )
 
 
 def check_order(manifest: Manifest, order: str) -> None:

@@ -10,11 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from jobspec.exit_codes import RESTARTABLE_EXIT_CODES  # noqa: F401  (backends import it here)
 from jobspec.job_spec import JobSpec
-
-# Hosts' exit codes the backends treat as restartable (runtime/train.py, runtime/coordination.py):
-# 42 stopped by SIGTERM/SIGINT after a checkpoint, 43 a peer host was lost, 44 the cluster did not form.
-RESTARTABLE_EXIT_CODES = (42, 43, 44)
 
 
 @dataclass(frozen=True)

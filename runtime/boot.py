@@ -45,12 +45,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from jobspec.errors import ConfigError, JaxjobError
+from jobspec.exit_codes import EXIT_CLUSTER_TIMEOUT
 from jobspec.run_config import RUN_ID_RE
 from runtime import hostlog
-
-# The cluster did not form within the boot timeout (a peer never started or cannot reach the
-# coordinator). Transient more often than not, so backends may restart on it.
-EXIT_CLUSTER_TIMEOUT = 44
 
 # JAX's own init deadline is ours plus this, so our sentence always comes before its abort.
 _JAX_TIMEOUT_MARGIN_S = 10

@@ -32,10 +32,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from jobspec.exit_codes import EXIT_HOST_LOST
 from runtime import boot, hostlog
-
-# A peer host stopped responding; this one exits so the backend can restart the job.
-EXIT_HOST_LOST = 43
 
 
 def _client() -> Any:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jobspec.errors import CheckpointError, ConfigError
+from jobspec.exit_codes import EXIT_RESTARTABLE
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
 from runtime import artifacts, boot
@@ -31,9 +32,6 @@ from runtime.sharding import batch_sharding, build_mesh, replicated
 from runtime.storage import configure_gcs_env, join
 from runtime.store import ArtifactStore
 from runtime.train_step import make_train_step
-
-# Exit code of a run stopped by SIGTERM/SIGINT after its final checkpoint: backends restart it.
-EXIT_RESTARTABLE = 42
 
 
 @dataclass

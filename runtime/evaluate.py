@@ -6,7 +6,7 @@ import jax
 
 from jobspec.run_config import RunConfig
 from runtime.artifacts import now
-from runtime.data.pipeline import eval_batches
+from runtime.data.pipeline import TokenBatches, eval_loader
 from runtime.metrics import eval_line
 from runtime.sharding import batch_sharding, replicated
 from runtime.train_step import make_eval_step
@@ -15,33 +15,46 @@ from runtime.train_step import make_eval_step
 class Evaluator:
     def __init__(self, cfg: RunConfig, manifest, parts, mesh):
         self.cfg, self.manifest, self.mesh = cfg, manifest, mesh
+        self.others = parts.others
         self.b_sh = batch_sharding(mesh, 3, leading=1)
+        rep = replicated(mesh)
         self.step_fn = jax.jit(
-            make_eval_step(parts.graphdef, parts.others),
-            in_shardings=(parts.param_shardings, self.b_sh),
-            out_shardings=replicated(mesh),
+            make_eval_step(parts.graphdef),
+            in_shardings=(parts.param_shardings, rep, self.b_sh),
+            out_shardings=rep,
         )
+        self._loaders: dict[str, TokenBatches] = {}  # one per split: offsets are read once
 
-    def evaluate(self, params, name: str, split: str, num_batches: int) -> dict:
+    def _loader(self, split: str) -> TokenBatches:
+        if split not in self._loaders:
+            t = self.cfg.training
+            self._loaders[split] = eval_loader(
+                self.manifest,
+                split,
+                t.seq_len,
+                t.global_batch_size,
+                process_index=jax.process_index(),
+                process_count=jax.process_count(),
+                prefetch=self.cfg.data.prefetch,
+            )
+        return self._loaders[split]
+
+    def evaluate(
+        self, params, name: str, split: str, num_batches: int, others: tuple | None = None
+    ) -> dict:
+        """Loss over the split's first num_batches global batches. `others` is the model's
+        current non-Param state (MoE router biases move in training); default the built one."""
         t = self.cfg.training
         shape = (1, t.global_batch_size, t.seq_len)
+        others = self.others if others is None else others
         sums = []
-        with eval_batches(
-            self.manifest,
-            split,
-            t.seq_len,
-            t.global_batch_size,
-            num_batches,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-            prefetch=self.cfg.data.prefetch,
-        ) as batches:
+        with self._loader(split).iterate(0, num_batches) as batches:
             for item in batches:
                 batch = {
                     k: jax.make_array_from_process_local_data(self.b_sh, v, shape)
                     for k, v in item.batch.items()
                 }
-                sums.append(self.step_fn(params, batch))
+                sums.append(self.step_fn(params, others, batch))
         got = jax.device_get(sums)
         loss_sum = float(sum(s["loss_sum"] for s in got))
         count = float(sum(s["token_count"] for s in got))
@@ -54,11 +67,14 @@ class Evaluator:
             "batches": len(got),
         }
 
-    def run(self, params, step: int, run_art, emit) -> dict[str, float]:
+    def run(
+        self, params, step: int, run_art, emit, others: tuple | None = None
+    ) -> dict[str, float]:
         """Every configured eval at `step`; rows to metrics/eval.jsonl; {name: loss}."""
         losses = {}
         for e in self.cfg.evals:
-            row = {"step": step, "time": now(), **self.evaluate(params, e.name, e.split, e.batches)}
+            result = self.evaluate(params, e.name, e.split, e.batches, others)
+            row = {"step": step, "time": now(), **result}
             run_art.eval_row(row)
             run_art.event("eval", step=step, name=e.name, loss=row["loss"])
             emit(eval_line(step, e.name, row["loss"], row["token_count"]))

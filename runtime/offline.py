@@ -8,13 +8,12 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-import jax
 from flax import nnx
 from jax.sharding import Mesh
 
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.load import parse_run_config
-from jobspec.run_config import EvalConfig, MeshConfig, RunConfig
+from jobspec.run_config import EvalConfig, RunConfig
 from runtime.artifacts import now
 from runtime.checkpoint import CheckpointService
 from runtime.data.manifest import load_manifest
@@ -22,8 +21,8 @@ from runtime.data.tokenizer import load_tokenizer
 from runtime.evaluate import Evaluator
 from runtime.inspect import open_run
 from runtime.sample import generate
-from runtime.session import ModelParts, build_model
-from runtime.sharding import build_mesh
+from runtime.session import ModelParts, build_model, others_from_saved
+from runtime.sharding import offline_mesh, replicated
 from runtime.store import ArtifactStore
 
 
@@ -35,18 +34,15 @@ def _restore(run: str, selector: str) -> tuple[ArtifactStore, RunConfig, int, Mo
     ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=False, read_only=True)
     try:
         step = ckpt.resolve(selector)
-        # The run's own mesh where this machine has its device count; else one device.
-        devices = jax.devices()
-        mesh = (
-            build_mesh(cfg.mesh)
-            if cfg.mesh.size == len(devices)
-            else build_mesh(MeshConfig(), devices[:1])
-        )
+        mesh = offline_mesh(cfg.mesh)
         abstract = build_model(cfg.model, cfg.run.seed, mesh, materialise=False)
-        params, _, _ = ckpt.restore(step, params_target=abstract.params)
+        params, _, meta = ckpt.restore(step, params_target=abstract.params)
     finally:
         ckpt.close()
-    parts = ModelParts(abstract.graphdef, params, abstract.others, abstract.param_shardings)
+    others = abstract.others
+    if "router_bias" in meta:  # an MoE run's balancing biases: route as training left them
+        others = others_from_saved(others, meta["router_bias"], replicated(mesh))
+    parts = ModelParts(abstract.graphdef, params, others, abstract.param_shardings)
     return store, cfg, step, parts, mesh
 
 

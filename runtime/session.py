@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
+from jobspec.errors import CheckpointError
 from jobspec.run_config import DataConfig, ModelConfig
 from runtime.data.manifest import Manifest, load_manifest
 from runtime.data.prepare import prepare_dataset
@@ -117,3 +119,17 @@ def opt_state_shardings(
         transform_non_params=lambda _: replicated(mesh),
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
+
+
+def others_from_saved(reference: tuple, saved: list, sharding) -> tuple:
+    """The checkpointed router biases (meta["router_bias"]), in the model's non-Param state
+    layout: what training moved must also be what eval, sample and resume route with."""
+    leaves, treedef = jax.tree.flatten(reference)
+    if len(leaves) != len(saved):
+        raise CheckpointError(
+            f"the checkpoint holds {len(saved)} router-bias arrays but this model has {len(leaves)}; "
+            "resume with the model the checkpoint was made with"
+        )
+    arrays = [jax.device_put(np.asarray(v, dtype=ref.dtype).reshape(ref.shape), sharding)
+              for ref, v in zip(leaves, saved, strict=True)]  # fmt: skip
+    return jax.tree.unflatten(treedef, arrays)

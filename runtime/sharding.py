@@ -58,6 +58,13 @@ def build_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=auto)
 
 
+def offline_mesh(cfg: MeshConfig) -> Mesh:
+    """For work outside a job (eval, sample, import): the run's own mesh where this machine has
+    its device count, else one device."""
+    devices = jax.devices()
+    return build_mesh(cfg) if cfg.size == len(devices) else build_mesh(MeshConfig(), devices[:1])
+
+
 def _slice_grid(cfg: MeshConfig, devices: list, per_slice: tuple[int, int, int]) -> np.ndarray:
     """The slice axis spans the slow network: JAX's hybrid mesh over TPU slices where devices
     know their slice, else whole hosts grouped in process order."""

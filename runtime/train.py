@@ -27,7 +27,7 @@ from runtime.data.pipeline import TokenBatches, check_for_run, train_batches
 from runtime.evaluate import Evaluator
 from runtime.metrics import Throughput
 from runtime.optim import build_optimizer
-from runtime.session import build_model, ensure_manifest, opt_state_shardings
+from runtime.session import build_model, ensure_manifest, opt_state_shardings, others_from_saved
 from runtime.sharding import batch_sharding, build_mesh, replicated
 from runtime.storage import configure_gcs_env, join
 from runtime.store import ArtifactStore
@@ -149,7 +149,7 @@ def _prepare(
         # (and are checkpointed in meta, see _save).
         others = parts.others
         if resume and "router_bias" in meta:
-            others = _others_from_meta(parts.others, meta["router_bias"], rep)
+            others = others_from_saved(parts.others, meta["router_bias"], rep)
         state["others"] = others
         state_sh["others"] = jax.tree.map(lambda _: rep, others)
 
@@ -287,7 +287,9 @@ def _loop(
                 last_row = run.art.flush_train_rows(pending, meter, emit) or last_row
                 pending = []
             eval_metrics = (
-                run.evaluator.run(run.state["params"], step, run.art, emit) if eval_now else None
+                run.evaluator.run(run.state["params"], step, run.art, emit, run.state.get("others"))
+                if eval_now
+                else None
             )
             if save_now:
                 _save(run, step, eval_metrics)
@@ -319,7 +321,9 @@ def _loop(
         summary = run.art.finish("stopped", step, last_row, run.ckpt.read_index(), wall)
         return TrainResult("stopped", 0, summary)
     eval_metrics = (
-        run.evaluator.run(run.state["params"], step, run.art, emit) if cfg.evals else None
+        run.evaluator.run(run.state["params"], step, run.art, emit, run.state.get("others"))
+        if cfg.evals
+        else None
     )
     _save(run, step, eval_metrics)
     run.ckpt.wait()
@@ -327,19 +331,6 @@ def _loop(
         "completed", step, last_row, run.ckpt.read_index(), time.perf_counter() - t_start
     )
     return TrainResult("completed", 0, summary)
-
-
-def _others_from_meta(reference: tuple, saved: list, sharding) -> tuple:
-    """The checkpointed router biases, in the model's non-parameter state layout."""
-    leaves, treedef = jax.tree.flatten(reference)
-    if len(leaves) != len(saved):
-        raise CheckpointError(
-            f"the checkpoint holds {len(saved)} router-bias arrays but this model has {len(leaves)}; "
-            "resume with the model the checkpoint was made with"
-        )
-    arrays = [jax.device_put(np.asarray(v, dtype=ref.dtype).reshape(ref.shape), sharding)
-              for ref, v in zip(leaves, saved, strict=True)]  # fmt: skip
-    return jax.tree.unflatten(treedef, arrays)
 
 
 def _save(run: Run, step: int, eval_metrics: dict[str, float] | None) -> None:

@@ -151,12 +151,13 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(
-    graphdef: nnx.GraphDef, others: tuple
-) -> Callable[[Any, Batch], dict[str, jax.Array]]:
-    """Loss sums over one [accum, rows, seq_len] batch (accum is 1 for evals)."""
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[Any, tuple, Batch], dict[str, jax.Array]]:
+    """Loss sums over one [accum, rows, seq_len] batch (accum is 1 for evals).
 
-    def eval_step(params: Any, batch: Batch) -> dict[str, jax.Array]:
+    `others` (the non-Param model state) is an argument, not closed over: an MoE run's router
+    biases move with training, and the train step donates the arrays it was given."""
+
+    def eval_step(params: Any, others: tuple, batch: Batch) -> dict[str, jax.Array]:
         def micro(carry, mb):
             ls, c = _loss_sums(graphdef, others, params, mb)
             return (carry[0] + ls, carry[1] + c), None

@@ -299,3 +299,21 @@ def test_moe_router_bias_resumes_exactly(tmp_path, prepared):
     assert [r["expert_load_max_over_mean"] for r in whole] == [
         r["expert_load_max_over_mean"] for r in parted
     ]
+
+
+def test_moe_router_bias_is_what_evals_route_with(tmp_path, prepared):
+    """In-run evals and offline evals both route with the trained biases (the train step donates
+    the biases it was given, so an eval holding the initial ones would read deleted arrays)."""
+    moe = {"family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "router_bias_update_rate": 0.05}  # fmt: skip
+    cfg = tiny_config(prepared, str(tmp_path), run_id="moe-eval", model=moe,
+                      training={"target_tokens": 16 * 8 * 8, "eval_every": 4},
+                      evals=[{"name": "validation", "batches": 2}])  # fmt: skip
+    assert _train(cfg, resume=False).status == "completed"
+    evals = read_jsonl(tmp_path / "moe-eval/metrics/eval.jsonl")
+    assert [e["step"] for e in evals] == [4, 8]
+    offline = eval_checkpoint(str(tmp_path / "moe-eval"), "latest")["results"][0]
+    assert offline["loss"] == pytest.approx(evals[-1]["loss"], rel=1e-6)
+    # The biases did move, so routing with the initial ones would be another model.
+    _, _, _, parts, _ = _restore(str(tmp_path / "moe-eval"), "latest")
+    assert any(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(parts.others))

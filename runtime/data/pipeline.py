@@ -15,8 +15,10 @@ Public API:
         .next_step; close(); a context manager
     train_batches(manifest, data: DataConfig, training: TrainingConfig, seed, process_index,
                   process_count) -> TokenBatches             the builder from a run config
+    eval_loader(manifest, split, seq_len, global_batch_size, process_index=0, process_count=1,
+                prefetch=2) -> TokenBatches                 the fixed eval order (sequential, accum 1)
     eval_batches(manifest, split, seq_len, global_batch_size, num_batches, process_index=0,
-                 process_count=1, prefetch=2) -> BatchIterator     fixed sequential batches, accum 1
+                 process_count=1, prefetch=2) -> BatchIterator     = eval_loader(…).iterate(0, n)
     check_for_run(manifest, data: DataConfig, vocab_size, training=None)   the start-of-run checks:
         check_tokenizer, check_vocab, check_order and (with training) check_objective + seq_len
     OBJECTIVE_FIELDS[objective]                               per-token fields the objective reads
@@ -533,6 +535,30 @@ def train_batches(
     )
 
 
+def eval_loader(
+    manifest: Manifest,
+    split: str,
+    seq_len: int,
+    global_batch_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    prefetch: int = 2,
+) -> TokenBatches:
+    """The fixed eval order of a split: sequential global batches, accum 1. Build it once and
+    call `.iterate(0, num_batches)` for every eval."""
+    return TokenBatches(
+        manifest,
+        split,
+        seq_len,
+        global_batch_size,
+        accum=1,
+        order="sequential",
+        process_index=process_index,
+        process_count=process_count,
+        prefetch=prefetch,
+    )
+
+
 def eval_batches(
     manifest: Manifest,
     split: str,
@@ -548,18 +574,10 @@ def eval_batches(
     Every call yields the same batches: the first num_batches × global_batch_size records of the
     split, wrapping around if the split is shorter.
     """
-    batches = TokenBatches(
-        manifest,
-        split,
-        seq_len,
-        global_batch_size,
-        accum=1,
-        order="sequential",
-        process_index=process_index,
-        process_count=process_count,
-        prefetch=prefetch,
+    loader = eval_loader(
+        manifest, split, seq_len, global_batch_size, process_index, process_count, prefetch
     )
-    return batches.iterate(0, num_batches)
+    return loader.iterate(0, num_batches)
 
 
 def check_for_run(

@@ -106,7 +106,8 @@ def mesh_spec(
 
 
 def batch_sharding(mesh: Mesh, ndim: int, leading: int = 0) -> NamedSharding:
-    """Rows split over data x fsdp; `leading` unsharded dims (e.g. the microbatch axis) before them."""
+    """Rows split over the batch axes (slice x data x fsdp, LOGICAL_RULES["batch"]); `leading`
+    unsharded dims (e.g. the microbatch axis) before them."""
     spec = [None] * leading + [LOGICAL_RULES["batch"]] + [None] * (ndim - leading - 1)
     return NamedSharding(mesh, PartitionSpec(*spec))
 

@@ -1,13 +1,16 @@
 """manifest.json: what a prepared-token directory holds, and the checks before training reads it.
 
 Public API:
-    Manifest, TokenizerInfo, SplitInfo, ShardInfo     pydantic models of manifest.json (extra="forbid")
+    Manifest, TokenizerInfo, SplitInfo, Splits, ShardInfo, FieldInfo, SourceInfo
+                                                      pydantic models of manifest.json (extra="forbid")
+    FIELD_DTYPES, PG_FIELDS                           the per-token fields of a rollouts split
     load_manifest(uri: str) -> Manifest               parse + structural checks (files exist, sizes)
     check_manifest(uri: str, deep: bool) -> dict      load_manifest, and with deep=True re-hash every
                                                       file and re-scan token ids; returns a summary
     write_manifest(manifest: Manifest, uri: str)      one atomic write (tmp + rename, or one put)
     compute_fingerprint(manifest) -> str              hash over tokenizer id, dtype and file hashes
     token_dtype_for(vocab_size) -> str                "uint16" if every id fits, else "uint32"
+    read_offsets(manifest, split) -> np.ndarray       the split's int64 document offsets
 
 Directory layout (all paths in the manifest are relative to its folder):
     manifest.json                 written last, so a half-prepared folder has none
@@ -67,7 +70,14 @@ class ShardInfo(_Model):
     sha256: str
 
 
-FIELD_DTYPES = {"loss_mask": "uint8", "advantages": "float32", "old_logprobs": "float32"}
+# The per-token fields a rollouts split may carry (the one list; the Literal spells the same names).
+FieldName = Literal["loss_mask", "advantages", "old_logprobs"]
+FIELD_DTYPES: dict[str, str] = {
+    "loss_mask": "uint8",
+    "advantages": "float32",
+    "old_logprobs": "float32",
+}
+PG_FIELDS = ("advantages", "old_logprobs")  # what a policy-gradient rollout adds to loss_mask
 
 
 class FieldInfo(_Model):
@@ -82,7 +92,7 @@ class SplitInfo(_Model):
     shards: list[ShardInfo]
     offsets: str = Field(description="int64 document start offsets (documents+1 entries).")
     offsets_sha256: str
-    fields: dict[Literal["loss_mask", "advantages", "old_logprobs"], FieldInfo] = Field(
+    fields: dict[FieldName, FieldInfo] = Field(
         default_factory=dict, description="Per-token streams aligned with the tokens (rollouts)."
     )
     max_document_tokens: int | None = Field(
@@ -298,32 +308,21 @@ def _check_files(m: Manifest, uri: str) -> None:
             )
 
 
-def _hash_file(fs: Any, path: str, dtype: np.dtype | None) -> tuple[str, int]:
-    """(sha256, max value) of a file read in chunks; max is -1 when dtype is None or empty."""
+def _hash_file(fs: Any, path: str, dtype: np.dtype | None) -> tuple[str, float]:
+    """(sha256, largest value) of a file read in chunks: -1 when dtype is None or the file is
+    empty, nan when a float file holds a non-finite value."""
     h = hashlib.sha256()
-    mx = -1
+    mx = -1.0
     with fs.open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
             h.update(chunk)
             if dtype is not None and len(chunk) >= dtype.itemsize:
-                mx = max(mx, int(np.frombuffer(chunk, dtype=dtype).max()))
+                v = np.frombuffer(chunk, dtype=dtype)
+                if v.dtype.kind == "f" and not np.all(np.isfinite(v)):
+                    mx = float("nan")
+                elif mx == mx:  # not nan yet
+                    mx = max(mx, float(v.max()))
     return h.hexdigest(), mx
-
-
-def _hash_field(fs: Any, path: str, dtype: str) -> tuple[str, int]:
-    """(sha256, count of invalid values) of a field shard: a loss mask holds only 0 and 1, a
-    float field only finite numbers."""
-    h = hashlib.sha256()
-    bad = 0
-    dt = np.dtype(dtype).newbyteorder("<")
-    with fs.open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-            v = np.frombuffer(chunk, dtype=dt)
-            bad += int(
-                np.count_nonzero(v > 1) if dtype == "uint8" else np.count_nonzero(~np.isfinite(v))
-            )
-    return h.hexdigest(), bad
 
 
 def _check_fields_deep(m: Manifest, uri: str, name: str) -> int:
@@ -332,7 +331,8 @@ def _check_fields_deep(m: Manifest, uri: str, name: str) -> int:
     for field, info in m.split(name).fields.items():
         for sh in info.shards:
             fs, path = url_to_fs(m.uri_of(sh.path))
-            digest, bad = _hash_field(fs, path, info.dtype)
+            digest, mx = _hash_file(fs, path, np.dtype(info.dtype).newbyteorder("<"))
+            bad = mx > 1 if info.dtype == "uint8" else mx != mx  # a mask is 0/1; floats finite
             if digest != sh.sha256:
                 raise DataError(
                     f"data manifest {uri}: {field} shard {sh.path} does not match its recorded "
@@ -341,7 +341,7 @@ def _check_fields_deep(m: Manifest, uri: str, name: str) -> int:
             if bad:
                 what = "values other than 0 and 1" if info.dtype == "uint8" else "non-finite values"
                 raise DataError(
-                    f"data manifest {uri}: {field} shard {sh.path} holds {bad} {what}; re-run "
+                    f"data manifest {uri}: {field} shard {sh.path} holds {what}; re-run "
                     "`runtime data prepare`"
                 )
             checked += 1
@@ -368,6 +368,7 @@ def check_manifest(uri: str, deep: bool = False) -> dict[str, Any]:
             for sh in s.shards:
                 fs, path = url_to_fs(m.uri_of(sh.path))
                 digest, smax = _hash_file(fs, path, dtype)
+                smax = int(smax)
                 if digest != sh.sha256:
                     raise DataError(
                         f"data manifest {uri}: shard {sh.path} has sha256 {digest[:16]}… but the "
@@ -381,13 +382,14 @@ def check_manifest(uri: str, deep: bool = False) -> dict[str, Any]:
                     f"records {s.max_token_id}; re-run `runtime data prepare`"
                 )
             fs, path = url_to_fs(m.uri_of(s.offsets))
-            digest, _ = _hash_file(fs, path, None)
-            if digest != s.offsets_sha256:
+            with fs.open(path, "rb") as f:  # small: hashed and parsed from one read
+                raw = f.read()
+            if hashlib.sha256(raw).hexdigest() != s.offsets_sha256:
                 raise DataError(
                     f"data manifest {uri}: document offsets file {s.offsets} does not match its "
                     "recorded sha256; re-run `runtime data prepare`"
                 )
-            off = read_offsets(m, name)
+            off = np.frombuffer(raw, dtype=OFFSET_DTYPE).astype(np.int64)
             if off[0] != 0 or off[-1] != s.tokens or np.any(np.diff(off) <= 0):
                 raise DataError(
                     f"data manifest {uri}: document offsets in {s.offsets} are not increasing from 0 "

@@ -12,7 +12,7 @@ Public API:
         .local_record_ids(step) -> np.ndarray                     [accum, local_rows] of this process
         .records_per_epoch, .rows_per_step, .local_rows
     BatchIterator: yields StepBatch(step, batch, provenance); get_state() / set_state(state);
-        .next_step; close(); a context manager
+        close(); a context manager
     train_batches(manifest, data: DataConfig, training: TrainingConfig, seed, process_index,
                   process_count) -> TokenBatches             the builder from a run config
     eval_loader(manifest, split, seq_len, global_batch_size, process_index=0, process_count=1,
@@ -71,7 +71,7 @@ import numpy as np
 
 from jobspec.errors import ConfigError, DataError
 from jobspec.run_config import DataConfig, TrainingConfig
-from runtime.data.manifest import Manifest, read_offsets
+from runtime.data.manifest import PG_FIELDS, Manifest, read_offsets
 from runtime.data.tokenizer import tokenizer_id_for
 from runtime.storage import is_remote, url_to_fs
 
@@ -81,7 +81,7 @@ STATE_KIND = "jaxjob.token_batches/1"
 # Per-token fields (besides tokens and loss_mask) each objective reads from a rollouts manifest.
 OBJECTIVE_FIELDS: dict[str, tuple[str, ...]] = {
     "cross_entropy": (),
-    "clipped_pg": ("advantages", "old_logprobs"),
+    "clipped_pg": PG_FIELDS,
 }
 _EPOCH_CACHE = 4  # a step may straddle an epoch end; prefetch threads may be a step or two apart
 
@@ -472,17 +472,11 @@ class BatchIterator:
         el = self._it.__next__()
         return StepBatch(el["step"], el["batch"], el["provenance"])
 
-    @property
-    def next_step(self) -> int:
-        return int(self._it.get_state()["next_index"])
-
     def get_state(self) -> dict[str, Any]:
         grain_state = self._it.get_state()
         return {
-            "kind": STATE_KIND,
-            "next_step": int(grain_state["next_index"]),
+            **self._batches.state_for(int(grain_state["next_index"])),
             "grain": dict(grain_state),
-            **self._batches.identity(),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 
 from jobspec.errors import DataError
 from runtime.data.manifest import (
+    FIELD_DTYPES,
     OFFSET_DTYPE,
     FieldInfo,
     Manifest,
@@ -58,7 +59,7 @@ from runtime.storage import is_remote, join, url_to_fs
 DEFAULT_SHARD_TOKENS = 1 << 26  # 128 MiB of uint16 per shard: few files, cheap range reads
 ENCODE_BATCH = 256  # documents per tokenizer call (the HF tokenizer parallelises a batch)
 _OWN_FILE = re.compile(
-    r"^(train|validation)(-(loss_mask|advantages|old_logprobs))?-\d{5}\.bin$"
+    rf"^(train|validation)(-({'|'.join(FIELD_DTYPES)}))?-\d{{5}}\.bin$"
     r"|^(train|validation)-offsets\.bin$|^manifest\.json(\.tmp)?$"
 )
 TOKENS = "tokens"  # the token stream's key among a split writer's streams

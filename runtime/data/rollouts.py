@@ -1,7 +1,8 @@
 """Rollout JSONL → per-token arrays: the input of `runtime data prepare --format rollouts`.
 
 Public API:
-    read_rollouts(files, tokenizer) -> Iterator[Rollout]    every rollout of the files, in order
+    read_rollouts(files, tokenizer) -> (kind, Iterator[Rollout])   the dataset's kind ('pg' or
+                                                             'sft') and its rollouts, in order
     Rollout(tokens, values)                                  int64 [L] and {field: [L] array}
     rollout_fields(kind) -> dict[str, str]                   the manifest fields of a dataset kind
 
@@ -30,6 +31,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from jobspec.errors import DataError
+from runtime.data.manifest import FIELD_DTYPES, PG_FIELDS
 from runtime.data.tokenizer import Tokenizer
 from runtime.storage import url_to_fs
 
@@ -42,9 +44,8 @@ class Rollout(NamedTuple):
 
 
 def rollout_fields(kind: Kind) -> dict[str, str]:
-    if kind == "pg":
-        return {"loss_mask": "uint8", "advantages": "float32", "old_logprobs": "float32"}
-    return {"loss_mask": "uint8"}
+    names = ("loss_mask", *PG_FIELDS) if kind == "pg" else ("loss_mask",)
+    return {f: FIELD_DTYPES[f] for f in names}
 
 
 class _Line:
@@ -63,7 +64,7 @@ class _Line:
         if name in doc:
             if not isinstance(doc[name], str):
                 raise self.fail(f'has a non-string "{name}"; give text, or ids as "{ids_key}"')
-            ids = tok.encode_many([doc[name].encode("utf-8")])[0].astype(np.int64)
+            ids = tok.encode(doc[name])
         else:
             raw = doc[ids_key]
             if not isinstance(raw, list) or not all(

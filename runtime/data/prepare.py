@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import re
 import sysconfig
@@ -38,6 +37,7 @@ from typing import Literal
 import numpy as np
 
 from jobspec.errors import DataError
+from runtime.data.jsonl import json_objects
 from runtime.data.manifest import (
     FIELD_DTYPES,
     OFFSET_DTYPE,
@@ -118,30 +118,18 @@ def _file_documents(fs, path: str, uri: str) -> Iterator[bytes]:
         with fs.open(path, "rb") as f:
             yield f.read()
         return
-    with fs.open(path, "rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-                text = doc.get("text")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-                raise DataError(
-                    f"line {lineno} of {uri} is not a JSON object ({e}); write one JSON object "
-                    'with a "text" field per line'
-                ) from e
-            if not isinstance(text, str):
-                rollout = any(k in doc for k in ("prompt", "prompt_ids", "completion_ids"))
-                raise DataError(
-                    f'line {lineno} of {uri} has no string "text" field; give every line of a '
-                    '.jsonl input a "text" string'
-                    + (
-                        " (it looks like a rollout: prepare it with --format rollouts)"
-                        if rollout
-                        else ""
-                    )
-                )
-            yield text.encode("utf-8")
+    for lineno, doc in json_objects(uri):
+        text = doc.get("text")
+        if not isinstance(text, str):
+            rollout = any(k in doc for k in ("prompt", "prompt_ids", "completion_ids"))
+            hint = (
+                " (it looks like a rollout: prepare it with --format rollouts)" if rollout else ""
+            )
+            raise DataError(
+                f'line {lineno} of {uri} has no string "text" field; give every line of a .jsonl '
+                f'input a "text" string{hint}'
+            )
+        yield text.encode("utf-8")
 
 
 class _SplitWriter:

@@ -23,7 +23,6 @@ Per-token values (aligned with the tokens, see manifest.py): loss_mask 1 on comp
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
@@ -31,9 +30,9 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from jobspec.errors import DataError
+from runtime.data.jsonl import json_objects
 from runtime.data.manifest import FIELD_DTYPES, PG_FIELDS
 from runtime.data.tokenizer import Tokenizer
-from runtime.storage import url_to_fs
 
 Kind = Literal["pg", "sft"]
 
@@ -192,18 +191,5 @@ def _lines(files: list[str]) -> Iterator[tuple[dict, _Line]]:
                 f"rollout input {uri} is not a .jsonl file; rollouts are one JSON object per line "
                 "in .jsonl files"
             )
-        fs, path = url_to_fs(uri)
-        with fs.open(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                line = _Line(uri, lineno)
-                try:
-                    doc = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise line.fail(
-                        f"is not valid JSON ({e}); write one JSON object per line"
-                    ) from e
-                if not isinstance(doc, dict):
-                    raise line.fail("is not a JSON object; write one rollout object per line")
-                yield doc, line
+        for lineno, doc in json_objects(uri):
+            yield doc, _Line(uri, lineno)

@@ -83,7 +83,7 @@ class HFTokenizer:
                 "point data.tokenizer at a file saved by the `tokenizers` library"
             ) from e
         self.source = source
-        self.id = "hf:" + hashlib.sha256(content).hexdigest()[:16]
+        self.id = _hf_id(content)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = self._find_eos()
 
@@ -148,4 +148,9 @@ def tokenizer_id_for(spec: str) -> str:
     """The id a manifest records for `spec`; an id ("byte", "hf:…") is returned as it is."""
     if spec == BYTE_ID or spec.startswith("hf:"):
         return spec
-    return "hf:" + hashlib.sha256(_read_spec_file(spec)).hexdigest()[:16]
+    return _hf_id(_read_spec_file(spec))
+
+
+def _hf_id(content: bytes) -> str:
+    """A tokenizer.json's id: its content hash, so a copy elsewhere is the same tokenizer."""
+    return "hf:" + hashlib.sha256(content).hexdigest()[:16]

@@ -54,6 +54,40 @@ def load_index(store: ArtifactStore) -> dict[str, Any]:
     return doc
 
 
+def _committed(store: ArtifactStore, step: int) -> bool:
+    rel = f"{CKPT_DIR}/{step}"
+    if store.remote:
+        return store.exists(f"{rel}/{COMMIT_FILE}")
+    return store.isdir(rel)  # the atomic rename from the tmp dir is the commit
+
+
+def _read_entry(store: ArtifactStore, step: int) -> dict[str, Any] | None:
+    rel = f"{CKPT_DIR}/{step}/entry/metadata"  # JsonSave's file inside the `entry` item
+    try:
+        entry = store.read_json(rel)
+    except StorageError:
+        log.warning("checkpoint %s has no readable entry; leaving it unindexed", store.uri(rel))
+        return None
+    return entry if isinstance(entry, dict) and entry.get("step") == step else None
+
+
+def reconciled_entries(
+    store: ArtifactStore, written: dict[str, Any] | None = None
+) -> dict[int, dict[str, Any]]:
+    """The index entries that agree with disk, without touching Orbax: drop steps that are gone,
+    adopt committed steps a crash kept out of the index. Every host computes the same answer
+    from the same files; this is what "has the run a checkpoint" means everywhere."""
+    written = load_index(store) if written is None else written
+    listed = {int(e["step"]): e for e in written["checkpoints"]}
+    on_disk = {int(n) for n in store.listdir(CKPT_DIR) if n.isdigit() and _committed(store, int(n))}
+    entries = {s: e for s, e in listed.items() if s in on_disk}
+    for step in sorted(on_disk - listed.keys()):
+        entry = _read_entry(store, step)
+        if entry is not None:
+            entries[step] = entry
+    return entries
+
+
 class CheckpointService:
     """Save, index, retain and restore train-state checkpoints of one run."""
 
@@ -97,45 +131,14 @@ class CheckpointService:
             raise CheckpointError(f"cannot open checkpoints under {self.directory}: {e}") from e
         self._pending: _Pending | None = None
         written = load_index(store)
-        self._entries = self._reconcile(written)
+        self._entries = reconciled_entries(store, written)
         if self.read_index() != written:
             self._write_index()
 
     # ---- index -------------------------------------------------------------------------------
 
     def _committed(self, step: int) -> bool:
-        rel = f"{CKPT_DIR}/{step}"
-        if self.store.remote:
-            return self.store.exists(f"{rel}/{COMMIT_FILE}")
-        return self.store.isdir(rel)  # the atomic rename from the tmp dir is the commit
-
-    def _committed_steps(self) -> set[int]:
-        return {
-            int(n) for n in self.store.listdir(CKPT_DIR) if n.isdigit() and self._committed(int(n))
-        }
-
-    def _reconcile(self, written: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        """Index entries that agree with disk: drop steps that are gone, adopt committed steps a
-        crash kept out of the index. Every host computes the same answer from the same files."""
-        listed = {int(e["step"]): e for e in written["checkpoints"]}
-        on_disk = self._committed_steps()
-        entries = {s: e for s, e in listed.items() if s in on_disk}
-        for step in sorted(on_disk - listed.keys()):
-            entry = self._read_entry(step)
-            if entry is not None:
-                entries[step] = entry
-        return entries
-
-    def _read_entry(self, step: int) -> dict[str, Any] | None:
-        rel = f"{CKPT_DIR}/{step}/entry/metadata"  # JsonSave's file inside the `entry` item
-        try:
-            entry = self.store.read_json(rel)
-        except StorageError:
-            log.warning(
-                "checkpoint %s/%d has no readable entry; leaving it unindexed", self.directory, step
-            )
-            return None
-        return entry if isinstance(entry, dict) and entry.get("step") == step else None
+        return _committed(self.store, step)
 
     def _best(self) -> int | None:
         """Lowest `best_metric`; a run that records it nowhere (no evals) has latest as best,

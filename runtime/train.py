@@ -20,7 +20,7 @@ from jobspec.exit_codes import EXIT_RESTARTABLE
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
 from runtime import artifacts, boot
-from runtime.checkpoint import CheckpointService, load_index
+from runtime.checkpoint import CheckpointService, reconciled_entries
 from runtime.compat import check_compatible, fingerprint
 from runtime.coordination import HostWatchdog, StopAgreement
 from runtime.data.pipeline import TokenBatches, check_for_run, train_batches
@@ -68,7 +68,7 @@ def _emit(line: str) -> None:
 def _open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[ArtifactStore, bool]:
     """The run's store, after checking that starting or resuming is what the index allows.
 
-    Reads checkpoints/index.json only; Orbax is not touched until the config and data are known
+    Reads checkpoints/index.json and the committed step folders only; Orbax is not touched until the config and data are known
     to fit, so a bad input ends before any checkpoint machinery starts.
     """
     store = ArtifactStore(
@@ -77,7 +77,8 @@ def _open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[Ar
         writer_index=writer_index,
     )
     store.check_writable()
-    has_ckpt = load_index(store).get("latest") is not None
+    # The index as disk has it (a crash between Orbax's commit and the index write still counts).
+    has_ckpt = bool(reconciled_entries(store))
     if resume == "auto":  # a restarted attempt continues; a first attempt starts
         return store, has_ckpt
     if not resume and has_ckpt:

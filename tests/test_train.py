@@ -317,3 +317,21 @@ def test_moe_router_bias_is_what_evals_route_with(tmp_path, prepared):
     # The biases did move, so routing with the initial ones would be another model.
     _, _, _, parts, _ = _restore(str(tmp_path / "moe-eval"), "latest")
     assert any(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(parts.others))
+
+
+def test_a_checkpoint_the_index_missed_still_counts(tmp_path, prepared):
+    """A crash between Orbax's commit and the index write leaves a committed step unindexed;
+    starting again must see it (refuse a fresh start, continue on resume) rather than overwrite."""
+    from jobspec.errors import ConfigError
+
+    cfg = tiny_config(
+        prepared, str(tmp_path), run_id="lost", training={"target_tokens": 16 * 8 * 8}
+    )
+    assert _train(cfg, resume=False, max_steps=5).status == "stopped"
+    (tmp_path / "lost/checkpoints/index.json").unlink()
+    with pytest.raises(ConfigError, match="already has checkpoints"):
+        _train(cfg, resume=False)
+    r = _train(cfg, resume="auto")
+    assert r.status == "completed" and r.summary["steps"] == 8
+    rows = read_jsonl(tmp_path / "lost/metrics/train.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6, 7, 8]

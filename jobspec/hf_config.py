@@ -35,8 +35,10 @@ _MOE_PLAIN: dict[str, str] = {
     "moe_intermediate_size": "moe_intermediate_size",
     "norm_topk_prob": "norm_topk_prob",
 }
-#: Every [model] key an HF config can fill (a model table holding all of them needs no lookup).
+#: Every [model] key an HF config can fill for any family (for qwen3_moe add HF_MOE_KEYS).
 HF_KEYS: tuple[str, ...] = ("family", *_PLAIN, "rope_theta", "param_dtype")
+#: The further keys an HF config fills for family "qwen3_moe".
+HF_MOE_KEYS: tuple[str, ...] = ("num_experts", *_MOE_PLAIN)
 _HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 
 
@@ -45,6 +47,14 @@ def hf_dir(init_from: str, *, what: str = "model.init_from") -> Path:
     if not init_from.startswith("hf:"):
         raise ConfigError(f"{what}: {init_from!r} is not 'hf:PATH' (a local HF model dir)")
     return Path(init_from[3:]).expanduser()
+
+
+def fills_nothing(model: dict[str, Any]) -> bool:
+    """True when the `[model]` table already holds every key an HF config could fill for its
+    family (e.g. a resolved.json), so no lookup is needed; a qwen3_moe table also needs the MoE
+    keys, a table without `family` always needs the lookup."""
+    keys = HF_KEYS + (HF_MOE_KEYS if model.get("family") == "qwen3_moe" else ())
+    return all(k in model for k in keys)
 
 
 def read_hf_config(path: str | Path, *, what: str = "model.init_from") -> dict[str, Any]:

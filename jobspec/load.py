@@ -77,11 +77,11 @@ def _fill_from_hf(data: dict, source: str) -> dict:
     init_from = model.get("init_from") if isinstance(model, dict) else None
     if not isinstance(init_from, str):
         return data
-    from jobspec.hf_config import HF_KEYS, hf_dir, model_fields_from_hf, read_hf_config
+    from jobspec.hf_config import fills_nothing, hf_dir, model_fields_from_hf, read_hf_config
 
     what = f"{source}: model.init_from"
     path = hf_dir(init_from, what=what)
-    if all(k in model for k in HF_KEYS):  # e.g. a resolved.json: nothing to fill
+    if fills_nothing(model):  # e.g. a resolved.json: nothing to fill
         return data
     hf = model_fields_from_hf(read_hf_config(path, what=what), what=what)
     return {**data, "model": {**hf, **model}}  # explicit TOML keys win

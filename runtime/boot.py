@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
@@ -193,7 +193,6 @@ class BootInfo:
     writer_index: int | None = None
     writer_election: str | None = None
     boot_seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -211,6 +210,22 @@ _state = _State()
 def current() -> BootInfo | None:
     """The BootInfo of this process once `boot()` ran, else None."""
     return _state.info
+
+
+def kv_client() -> Any:
+    """The jax.distributed coordination-service client (its key-value store), or None when no
+    service runs (single process)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def run_and_attempt(run_id: str | None = None, attempt: int | None = None) -> tuple[str, int]:
+    """The run id and attempt that coordination keys are named by: the given ones, else boot's,
+    else JAXJOB_RUN_ID / "run" and attempt 0."""
+    info = current()
+    run = run_id or (info.run_id if info else None) or os.environ.get("JAXJOB_RUN_ID") or "run"
+    return run, attempt if attempt is not None else (info.attempt if info else 0)
 
 
 # ---- platform and cluster detection -------------------------------------------------------------

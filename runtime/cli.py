@@ -52,6 +52,9 @@ SET_OPTION = click.option(
     metavar="KEY=VALUE",
     help="Override a config key, e.g. training.target_tokens=2e6.",
 )
+CHECKPOINT_OPTION = click.option(
+    "--checkpoint", "selector", default="latest", show_default=True, help="latest, best or a step."
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -186,7 +189,7 @@ def config_check(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
     )
     click.echo(f"  steps            {t.total_steps:,} to reach {t.target_tokens:,} tokens")
     click.echo(
-        f"  mesh             data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} ({cfg.mesh.size} devices)"
+        f"  mesh             slices={cfg.mesh.slices} data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} ({cfg.mesh.size} devices)"
     )
 
 
@@ -310,9 +313,7 @@ def eval_group() -> None:
 
 @eval_group.command("checkpoint")
 @click.argument("run")
-@click.option(
-    "--checkpoint", "selector", default="latest", show_default=True, help="latest, best or a step."
-)
+@CHECKPOINT_OPTION
 @click.option("--json", "as_json", is_flag=True)
 def eval_checkpoint_cmd(run: str, selector: str, as_json: bool) -> None:
     """Run the configured evals on one checkpoint of RUN; writes evals/<step>.json."""
@@ -336,7 +337,7 @@ def sample_group() -> None:
 
 @sample_group.command("checkpoint")
 @click.argument("run")
-@click.option("--checkpoint", "selector", default="latest", show_default=True)
+@CHECKPOINT_OPTION
 @click.option("--prompt-ids", required=True, help="Comma-separated token ids, e.g. 1,2,3.")
 @click.option("--max-new-tokens", default=16, show_default=True, type=int)
 @click.option("--temperature", default=1.0, show_default=True, type=float)
@@ -382,9 +383,7 @@ def export_group() -> None:
 
 @export_group.command("hf")
 @click.argument("run")
-@click.option(
-    "--checkpoint", "selector", default="latest", show_default=True, help="latest, best or a step."
-)
+@CHECKPOINT_OPTION
 @click.option("--out", required=True, help="Directory for config.json and *.safetensors.")
 @click.option("--json", "as_json", is_flag=True)
 def export_hf_cmd(run: str, selector: str, out: str, as_json: bool) -> None:

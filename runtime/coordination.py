@@ -36,18 +36,6 @@ from jobspec.exit_codes import EXIT_HOST_LOST
 from runtime import boot, hostlog
 
 
-def _client() -> Any:
-    from jax._src import distributed
-
-    return distributed.global_state.client
-
-
-def _ids(run_id: str | None, attempt: int | None) -> tuple[str, int]:
-    info = boot.current()
-    run = run_id or (info.run_id if info else None) or os.environ.get("JAXJOB_RUN_ID") or "run"
-    return run, attempt if attempt is not None else (info.attempt if info else 0)
-
-
 def _world() -> tuple[int, int]:
     import jax
 
@@ -63,7 +51,7 @@ class StopAgreement:
     """
 
     def __init__(self, *, run_id: str | None = None, attempt: int | None = None) -> None:
-        self.run_id, self.attempt = _ids(run_id, attempt)
+        self.run_id, self.attempt = boot.run_and_attempt(run_id, attempt)
         self.reason: str | None = None
         self.stop_step: int | None = None
         self._signum: int | None = None
@@ -75,7 +63,7 @@ class StopAgreement:
         return f"jaxjob/{self.run_id}/stop/{self.attempt}/reason"
 
     def install(self) -> None:
-        self._multi = _client() is not None and _world()[1] > 1
+        self._multi = boot.kv_client() is not None and _world()[1] > 1
         if self._multi:
             from jax._src import distributed
 
@@ -97,7 +85,7 @@ class StopAgreement:
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         self._on_signal(signum, frame)
         try:
-            _client().key_value_set(self.reason_key, "SIGINT", allow_overwrite=False)
+            boot.kv_client().key_value_set(self.reason_key, "SIGINT", allow_overwrite=False)
         except Exception:  # another host's reason is already there: keep it
             pass
         os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier turns it into a cluster-wide stop
@@ -122,7 +110,7 @@ class StopAgreement:
         if self._signum is not None:
             return signal.Signals(self._signum).name
         try:
-            return str(_client().key_value_try_get(self.reason_key))
+            return str(boot.kv_client().key_value_try_get(self.reason_key))
         except Exception:  # NOT_FOUND: nobody got SIGINT, so it was SIGTERM
             return "SIGTERM"
 
@@ -153,7 +141,7 @@ class HostWatchdog:
     ) -> None:
         self.timeout_s = timeout_s
         self.interval_s = interval_s or max(0.5, min(5.0, timeout_s / 6))
-        run, att = _ids(run_id, attempt)
+        run, att = boot.run_and_attempt(run_id, attempt)
         self.prefix = f"jaxjob/{run}/heartbeat/{att}/"
         self.on_lost = on_lost or _exit_host_lost
         self.lost: int | None = None
@@ -167,7 +155,7 @@ class HostWatchdog:
         self._me, self._n = 0, 1
 
     def start(self) -> None:
-        if _client() is None or self._threads:
+        if boot.kv_client() is None or self._threads:
             return  # one process: nobody to lose
         self._me, self._n = _world()
         now = time.monotonic()
@@ -181,7 +169,7 @@ class HostWatchdog:
     def _beat(self) -> None:
         count = 0
         while not self._stop.is_set():
-            client = _client()
+            client = boot.kv_client()
             if client is None:
                 return  # jax.distributed was shut down
             try:
@@ -206,7 +194,7 @@ class HostWatchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.interval_s / 2)):
-            if _client() is None:
+            if boot.kv_client() is None:
                 return
             now = time.monotonic()
             for peer, seen in sorted(self._last_change.items()):
@@ -227,7 +215,7 @@ class HostWatchdog:
     def mark_done(self) -> None:
         """Tell the others this host finished on purpose; it keeps watching them until stop()."""
         self._done = True
-        client = _client()
+        client = boot.kv_client()
         if client is not None and self._threads:
             client.key_value_set(f"{self.prefix}{self._me}", "done", allow_overwrite=True)
 

@@ -8,6 +8,9 @@ way). The second term is attention's QK^T and AV products: per layer and token, 
 2*T*H*D FLOPs forward, times 3 for forward + backward. No causal halving is applied (the same
 convention as torchtitan's `get_num_flop_per_token` and MaxText's non-causal count), so MFU here
 is directly comparable with theirs; a causal-aware count would be 6 * L * T * H * D.
+
+For qwen3_moe, N counts the router and only the k active experts per token (model FLOPs), while
+runtime/moe.py's dense dispatch computes all E experts: its MFU understates the hardware's work.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from runtime.model import param_count as parameter_counts
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
     counts = parameter_counts(m)
-    # MoE: only the k active experts' matmuls run per token. + the head matmul, tied or not.
+    # MoE: model FLOPs of the k active experts per token (the MFU convention), although the dense
+    # dispatch in runtime/moe.py computes all E experts; plus the head matmul, tied or not.
     n = counts.get("active_non_embedding", counts["non_embedding"]) + m.vocab_size * m.hidden_size
     attention = 12 * m.num_layers * seq_len * m.num_heads * m.resolved_head_dim
     return {"params_counted": n, "dense": 6 * n, "attention": attention, "total": 6 * n + attention}

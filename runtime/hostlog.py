@@ -40,7 +40,9 @@ class HostLogTee:
         self.fs, self.path = url_to_fs(uri)
         self.remote = is_remote(uri)
         self._buf = bytearray()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _buf, _local and _last_flush
+        self._upload_lock = threading.Lock()  # one upload at a time, each of a newer snapshot
+        self._uploaded = -1  # length of _buf the last successful upload held (-1: none yet)
         self._threads: list[threading.Thread] = []
         self._last_flush = time.monotonic()
         self._local = None
@@ -75,20 +77,32 @@ class HostLogTee:
             if not chunk:
                 return
             os.write(original, chunk)
+            due = False
             with self._lock:
                 if self._local is not None:
                     self._local.write(chunk)
                 else:
                     self._buf.extend(chunk)
-                    if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
-                        self._flush_remote()
+                    now = time.monotonic()
+                    if now - self._last_flush > FLUSH_EVERY_S:
+                        self._last_flush = now  # this pump uploads; the other one need not
+                        due = True
+            if due:  # outside the lock: the other pump keeps copying output meanwhile
+                self._flush_remote()
 
     def _flush_remote(self) -> None:
-        try:
-            self.fs.pipe_file(self.path, bytes(self._buf))
-            self._last_flush = time.monotonic()
-        except Exception:  # a log upload must never take the training run down with it
-            pass
+        """Upload the whole buffer so far. The snapshot is taken under the upload lock, so a
+        later upload never holds less than an earlier one; the buffer only grows."""
+        with self._upload_lock:
+            with self._lock:
+                data = bytes(self._buf)
+            if len(data) == self._uploaded:
+                return  # nothing new since the last upload
+            try:
+                self.fs.pipe_file(self.path, data)
+                self._uploaded = len(data)
+            except Exception:  # a log upload must never take the training run down with it
+                pass
 
     def close(self) -> None:
         """Put the original fds back, drain the pipes, write the rest of the log."""
@@ -107,7 +121,8 @@ class HostLogTee:
         for t in self._threads:
             t.join(timeout=2.0)
         with self._lock:
-            if self._local is not None:
-                self._local.close()
-            elif self.remote:
-                self._flush_remote()
+            local, self._local = self._local, None
+        if local is not None:
+            local.close()
+        elif self.remote:
+            self._flush_remote()

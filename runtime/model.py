@@ -33,12 +33,10 @@ from flax import nnx
 from jax import lax
 
 from jobspec.run_config import ModelConfig
-from runtime.moe import SparseMoE
+from runtime.moe import SparseMoE, dtype_of, normal_param
 
 #: Every logical axis name a parameter may carry.
 LOGICAL_AXES: tuple[str, ...] = ("vocab", "embed", "heads", "kv_heads", "mlp", "norm", "expert")
-
-_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Policies per ModelConfig.remat; "none" means no checkpoint wrapper at all.
 _REMAT_POLICIES: dict[str, Any] = {
@@ -47,11 +45,6 @@ _REMAT_POLICIES: dict[str, Any] = {
     # Keep nothing but the block's inputs; recompute the whole block in the backward pass.
     "full": jax.checkpoint_policies.nothing_saveable,
 }
-
-
-def dtype_of(name: str) -> Any:
-    """The jnp dtype for a config dtype name ("float32" | "bfloat16")."""
-    return _DTYPES[name]
 
 
 class KVCache(NamedTuple):
@@ -64,20 +57,6 @@ class KVCache(NamedTuple):
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     index: jax.Array
-
-
-def _normal_param(
-    rngs: nnx.Rngs,
-    shape: tuple[int, ...],
-    names: tuple[str, ...],
-    std: float,
-    param_dtype: Any,
-    eager_sharding: bool,
-) -> nnx.Param:
-    # Plain (not truncated) normal, like HF's `_init_weights`; drawn in fp32 and then cast, so a
-    # bf16-stored model holds the rounded values of the fp32 model with the same seed.
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value.astype(param_dtype), out_sharding=names, eager_sharding=eager_sharding)
 
 
 class Dense(nnx.Module):
@@ -93,7 +72,7 @@ class Dense(nnx.Module):
         rngs: nnx.Rngs,
         eager_sharding: bool,
     ) -> None:
-        self.kernel = _normal_param(
+        self.kernel = normal_param(
             rngs, (d_in, d_out), names, cfg.init_std, dtype_of(cfg.param_dtype), eager_sharding
         )
         self.compute_dtype = dtype_of(cfg.compute_dtype)
@@ -106,7 +85,7 @@ class Embed(nnx.Module):
     """Token embedding table [vocab, hidden]; also the lm head when tied."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
-        self.embedding = _normal_param(
+        self.embedding = normal_param(
             rngs,
             (cfg.vocab_size, cfg.hidden_size),
             ("vocab", "embed"),
@@ -236,13 +215,7 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
         self.is_moe = cfg.family == "qwen3_moe"
         if self.is_moe:
-            self.mlp = SparseMoE(
-                cfg,
-                rngs=rngs,
-                eager_sharding=eager_sharding,
-                param_dtype=dtype_of(cfg.param_dtype),
-                compute_dtype=dtype_of(cfg.compute_dtype),
-            )
+            self.mlp = SparseMoE(cfg, rngs=rngs, eager_sharding=eager_sharding)
         else:
             self.mlp = MLP(cfg, rngs=rngs, eager_sharding=eager_sharding)
 

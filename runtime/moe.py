@@ -13,19 +13,17 @@ runs on every token (one einsum over an expert axis) and a [tokens, experts] com
 off the top-k, weights the results. Exact and jit-friendly; compute grows with num_experts, so it
 suits small models only (a sparse dispatch can replace `SparseMoE.__call__` later).
 
-Parameter paths inside `layers[i]` of `runtime.model.Decoder` (for an HF name map):
+Parameter paths inside `layers[i]` of `runtime.model.Decoder`:
 
     mlp.gate.kernel            [hidden, num_experts]            ("embed", "expert")
-                               HF `mlp.gate.weight` [E, hidden] -> transpose
     mlp.experts.gate_proj      [E, hidden, moe_intermediate]    ("expert", "embed", "mlp")
     mlp.experts.up_proj        [E, hidden, moe_intermediate]    ("expert", "embed", "mlp")
-                               HF `mlp.experts.gate_up_proj` [E, 2*moe_inter, hidden]:
-                               gate_proj = gate_up_proj[:, :moe_inter, :].transpose(0, 2, 1),
-                               up_proj   = gate_up_proj[:, moe_inter:, :].transpose(0, 2, 1)
     mlp.experts.down_proj      [E, moe_intermediate, hidden]    ("expert", "mlp", "embed")
-                               HF `mlp.experts.down_proj` [E, hidden, moe_inter] -> transpose(0, 2, 1)
     mlp.router_bias            [E] fp32, a `RouterBias` (NOT an nnx.Param: no gradient, no
                                optimizer state; it lives in the non-Param state). No HF weight.
+
+The HF names these map to (saved checkpoints keep one `mlp.experts.{e}.*_proj.weight` per
+expert; kernels transpose) are the name map in `runtime/hf/names.py`.
 
 Aux-loss-free balancing (DeepSeek-V3): the train step moves each layer's bias by
 rate * sign(mean_load - load) after the gradient step (`update_router_bias`), so an under-loaded
@@ -48,21 +46,41 @@ class RouterBias(nnx.Variable):
     the non-Param state, so gradients and the optimizer never touch it."""
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> jax.Array:
-    # Drawn in fp32 and cast, like runtime.model._normal_param.
-    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def dtype_of(name: str) -> Any:
+    """The jnp dtype for a config dtype name ("float32" | "bfloat16")."""
+    return _DTYPES[name]
+
+
+def normal_param(
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    std: float,
+    param_dtype: Any,
+    eager_sharding: bool,
+) -> nnx.Param:
+    """A plain (not truncated) normal `nnx.Param`, like HF's `_init_weights`, with logical axis
+    `names`. Drawn in fp32 and then cast, so a bf16-stored model holds the rounded values of the
+    fp32 model with the same seed. (Here rather than in runtime.model, which imports this module.)
+    """
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(param_dtype), out_sharding=names, eager_sharding=eager_sharding)
 
 
 class Router(nnx.Module):
     """The router projection: `kernel` [hidden, num_experts], no bias."""
 
-    def __init__(
-        self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool, param_dtype: Any
-    ) -> None:
-        self.kernel = nnx.Param(
-            _normal(rngs, (cfg.hidden_size, cfg.num_experts), cfg.init_std, param_dtype),
-            out_sharding=("embed", "expert"),
-            eager_sharding=eager_sharding,
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
+        self.kernel = normal_param(
+            rngs,
+            (cfg.hidden_size, cfg.num_experts),
+            ("embed", "expert"),
+            cfg.init_std,
+            dtype_of(cfg.param_dtype),
+            eager_sharding,
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -74,26 +92,17 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """E SwiGLU experts with stacked kernels; `__call__` runs all of them on every token."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        rngs: nnx.Rngs,
-        eager_sharding: bool,
-        param_dtype: Any,
-        compute_dtype: Any,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        std = cfg.init_std
+        param_dtype = dtype_of(cfg.param_dtype)
 
         def param(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
-            value = _normal(rngs, shape, std, param_dtype)
-            return nnx.Param(value, out_sharding=names, eager_sharding=eager_sharding)
+            return normal_param(rngs, shape, names, cfg.init_std, param_dtype, eager_sharding)
 
         self.gate_proj = param((e, d, f), ("expert", "embed", "mlp"))
         self.up_proj = param((e, d, f), ("expert", "embed", "mlp"))
         self.down_proj = param((e, f, d), ("expert", "mlp", "embed"))
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = dtype_of(cfg.compute_dtype)
 
     def __call__(self, x: jax.Array, combine: jax.Array) -> jax.Array:
         """x [B, T, D], combine [B, T, E] (zero off each token's top-k) -> [B, T, D]."""
@@ -129,25 +138,11 @@ def route(
 class SparseMoE(nnx.Module):
     """Qwen3-MoE block: router (`gate`), stacked `experts`, and the selection `router_bias`."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        rngs: nnx.Rngs,
-        eager_sharding: bool,
-        param_dtype: Any,
-        compute_dtype: Any,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
         self.num_experts_per_tok = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.gate = Router(cfg, rngs=rngs, eager_sharding=eager_sharding, param_dtype=param_dtype)
-        self.experts = Experts(
-            cfg,
-            rngs=rngs,
-            eager_sharding=eager_sharding,
-            param_dtype=param_dtype,
-            compute_dtype=compute_dtype,
-        )
+        self.gate = Router(cfg, rngs=rngs, eager_sharding=eager_sharding)
+        self.experts = Experts(cfg, rngs=rngs, eager_sharding=eager_sharding)
         self.router_bias = RouterBias(jnp.zeros((cfg.num_experts,), jnp.float32))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:

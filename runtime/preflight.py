@@ -24,7 +24,8 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
     Parameters, gradients (fp32 accumulators), AdamW moments (2 x fp32) and an activation
     estimate per microbatch: per token and layer, roughly 16 x hidden + 3 x intermediate values
     kept for the backward pass (plus the attention probabilities, heads x seq_len), or only the
-    block input under remat "full". An estimate to catch gross misfits, not an allocator trace.
+    block input under remat "full"; for qwen3_moe, 3 x num_experts x moe_intermediate replaces
+    3 x intermediate (the dense dispatch runs every expert on every token). An estimate to catch gross misfits, not an allocator trace.
     """
     m, t = cfg.model, cfg.training
     n = parameter_counts(m)["total"]
@@ -34,12 +35,17 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
     params = n * pbytes / shards
     grads = n * 4 / shards
     adam = 2 * n * 4 / shards
-    rows = t.global_batch_size / (cfg.mesh.data * cfg.mesh.fsdp)
+    # The batch is split over slice x data x fsdp (runtime/sharding.py, logical axis "batch").
+    rows = t.global_batch_size / (cfg.mesh.slices * cfg.mesh.data * cfg.mesh.fsdp)
+    # MLP values per token: qwen3_moe's dense dispatch keeps [B, T, E, moe_intermediate] arrays
+    # for every expert, not only the k chosen ones.
+    if m.family == "qwen3_moe":
+        mlp = 3 * m.num_experts * m.moe_intermediate_size
+    else:
+        mlp = 3 * m.intermediate_size
     per_token_layer = {
-        "none": 16 * m.hidden_size
-        + 3 * m.intermediate_size
-        + m.num_heads * t.seq_len / max(cfg.mesh.tensor, 1),
-        "block": 8 * m.hidden_size + 3 * m.intermediate_size,
+        "none": 16 * m.hidden_size + mlp + m.num_heads * t.seq_len / max(cfg.mesh.tensor, 1),
+        "block": 8 * m.hidden_size + mlp,
         "full": m.hidden_size,
     }[m.remat]
     activations = rows * t.seq_len * m.num_layers * per_token_layer * cbytes
@@ -93,7 +99,8 @@ def preflight(cfg: RunConfig) -> dict[str, Any]:
     check(
         "mesh",
         lambda: (
-            f"data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} fits "
+            f"slices={cfg.mesh.slices} data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} "
+            f"tensor={cfg.mesh.tensor} fits "
             f"{len(build_mesh(cfg.mesh).devices.flat)} devices",
             None,
         ),

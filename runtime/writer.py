@@ -11,21 +11,8 @@ afresh. A single process is the writer without any service.
 
 from __future__ import annotations
 
-import os
-
 from jobspec.errors import JaxjobError
 from runtime import boot
-
-
-def _client():
-    from jax._src import distributed
-
-    return distributed.global_state.client
-
-
-def _run_id(run_id: str | None) -> str:
-    info = boot.current()
-    return run_id or (info.run_id if info else None) or os.environ.get("JAXJOB_RUN_ID") or "run"
 
 
 def writer_key(run_id: str, attempt: int) -> str:
@@ -45,14 +32,14 @@ def elect_writer(
     """
     from jax.errors import JaxRuntimeError
 
-    client = _client()
+    client = boot.kv_client()
     info = boot.current()
     if client is None:
         writer, how = 0, "single-process"
     else:
         import jax
 
-        key = writer_key(_run_id(run_id), attempt)
+        key = writer_key(boot.run_and_attempt(run_id)[0], attempt)
         me = jax.process_index()
         value: str | None = None
         if me == 0:
@@ -77,14 +64,13 @@ def elect_writer(
     return writer
 
 
-def _try_claim(client, key: str, me: int) -> bool:
-    """True when this process's claim was the one the service accepted."""
+def _try_claim(client, key: str, me: int) -> None:
+    """Claim `key` for this process; a claim someone else made first is left as it is (every
+    process reads the key back afterwards)."""
     from jax.errors import JaxRuntimeError
 
     try:
         client.key_value_set(key, str(me), allow_overwrite=False)
-        return True
     except JaxRuntimeError as e:
-        if "ALREADY_EXISTS" in str(e):
-            return False  # someone else claimed first: read their claim back
-        raise
+        if "ALREADY_EXISTS" not in str(e):
+            raise

@@ -76,8 +76,6 @@ def test_block_matches_numpy_reference(norm_topk_prob: bool) -> None:
         cfg,
         rngs=nnx.Rngs(1),
         eager_sharding=False,
-        param_dtype=jnp.float32,
-        compute_dtype=jnp.float32,
     )
     # A router wide enough that the top-k choice is far from ties.
     block.gate.kernel[...] = jax.random.normal(jax.random.PRNGKey(2), block.gate.kernel.shape)
@@ -97,8 +95,6 @@ def test_bias_steers_choice_but_not_weights() -> None:
         cfg,
         rngs=nnx.Rngs(0),
         eager_sharding=False,
-        param_dtype=jnp.float32,
-        compute_dtype=jnp.float32,
     )
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 8, cfg.hidden_size))
     block.router_bias[...] = jnp.array([0.0, 0.0, 100.0, 0.0])
@@ -344,3 +340,18 @@ def test_rate_needs_others_in_state_and_dense_has_no_load_metric() -> None:
     assert "expert_load_max_over_mean" not in metrics and "others" not in new_state
     with pytest.raises(ValueError, match="others"):
         make_train_step(graphdef, (others,), tx, sched, router_bias_update_rate=0.1)(state, batch)
+
+
+def test_a_qwen3_moe_model_table_needs_the_moe_keys_to_skip_the_hf_lookup() -> None:
+    from jobspec.hf_config import HF_KEYS, HF_MOE_KEYS, fills_nothing
+
+    dense = moe_cfg(family="qwen3", num_experts=None, num_experts_per_tok=None,
+                    moe_intermediate_size=None).model_dump()  # fmt: skip
+    assert set(HF_KEYS + HF_MOE_KEYS) <= set(dense)  # every key is a ModelConfig field
+    assert fills_nothing(dense)  # e.g. a dense resolved.json
+    every_dense_key = {k: dense[k] for k in HF_KEYS}
+    assert fills_nothing(every_dense_key)
+    # Every dense key but no MoE key: qwen3_moe still needs num_experts etc. from config.json.
+    assert not fills_nothing({**every_dense_key, "family": "qwen3_moe"})
+    assert fills_nothing(moe_cfg().model_dump())
+    assert not fills_nothing({k: v for k, v in dense.items() if k != "family"})

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jobspec.errors import ConfigError
-from jobspec.hf_config import hf_config_from_model, model_fields_from_hf, read_hf_config
+from jobspec.hf_config import hf_config_from_model, hf_dir, model_fields_from_hf, read_hf_config
 from jobspec.run_config import ModelConfig
 from runtime.hf.names import names_for
 
@@ -95,21 +95,11 @@ def hf_from_params(cfg: ModelConfig, flat: dict[Path_, Any]) -> dict[str, np.nda
 
 def flat_params(params: Any) -> dict[Path_, Any]:
     """nnx.State (or a pure nested dict) of parameters -> {path: array}."""
-    from flax import nnx
+    from flax import nnx, traverse_util
 
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
-    out: dict[Path_, Any] = {}
-
-    def walk(node: Any, prefix: Path_) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, (*prefix, k))
-        else:
-            out[prefix] = node
-
-    walk(params, ())
-    return out
+    return traverse_util.flatten_dict(params)
 
 
 def load_hf_params(path: str | Path, cfg: ModelConfig) -> dict[Path_, np.ndarray]:
@@ -124,9 +114,8 @@ def write_hf(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[str]:
-    """config.json + safetensors for `params` (nnx.State, nested dict or flat dict); file names."""
-    flat = params if _is_flat(params) else flat_params(params)
-    tensors = hf_from_params(cfg, {k: _host(v) for k, v in flat.items()})
+    """config.json + safetensors for `params` (nnx.State or pure nested dict); the file names."""
+    tensors = hf_from_params(cfg, {k: _host(v) for k, v in flat_params(params).items()})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_cfg = hf_config_from_model(cfg.model_dump())
@@ -160,10 +149,6 @@ def write_hf(
     return ["config.json", *files, INDEX]
 
 
-def _is_flat(params: Any) -> bool:
-    return isinstance(params, dict) and all(isinstance(k, tuple) for k in params)
-
-
 def _host(x: Any) -> np.ndarray:
     import jax
 
@@ -177,7 +162,7 @@ def place_params(flat: dict[Path_, np.ndarray], abstract_params: Any, shardings:
     differs from the model's is a ConfigError; a dtype that differs is cast to the model's.
     """
     import jax
-    from flax import nnx
+    from flax import nnx, traverse_util
 
     abs_flat = flat_params(abstract_params)
     sh_flat = flat_params(shardings)
@@ -195,14 +180,8 @@ def place_params(flat: dict[Path_, np.ndarray], abstract_params: Any, shardings:
         if a.dtype != ab.dtype:
             a = a.astype(ab.dtype)
         placed[path] = jax.make_array_from_callback(a.shape, sh_flat[path], lambda i, a=a: a[i])
-    nested: dict = {}
-    for path, v in placed.items():
-        cur = nested
-        for k in path[:-1]:
-            cur = cur.setdefault(k, {})
-        cur[path[-1]] = v
     new = jax.tree.map(lambda x: x, abstract_params)  # a copy; the target stays abstract
-    nnx.replace_by_pure_dict(new, nested)
+    nnx.replace_by_pure_dict(new, traverse_util.unflatten_dict(placed))
     return new
 
 
@@ -241,7 +220,7 @@ def _import_run_config(path: Path, out: Path, config: str | None):
     model = dict(data.get("model") or {})
     given = model.get("init_from")
     # Keep the TOML's own spelling of the same dir: init_from is part of the resume fingerprint.
-    if not (isinstance(given, str) and given.startswith("hf:") and _same_dir(given[3:], path)):
+    if not (isinstance(given, str) and given.startswith("hf:") and _same_dir(hf_dir(given), path)):
         model["init_from"] = f"hf:{path}"
     if not config:
         hf = model_config_from_hf(path)
@@ -253,9 +232,9 @@ def _import_run_config(path: Path, out: Path, config: str | None):
     return parse_run_config(data, config or str(path))
 
 
-def _same_dir(a: str, b: Path) -> bool:
+def _same_dir(a: Path, b: Path) -> bool:
     try:
-        return Path(a).expanduser().resolve() == b.resolve()
+        return a.resolve() == b.resolve()
     except OSError:
         return False
 
@@ -273,7 +252,6 @@ def import_to_run(path: str, out_dir: str, *, config: str | None = None) -> dict
 
     from jobspec.errors import JaxjobError
     from jobspec.load import resolved_dict, to_toml
-    from jobspec.run_config import MeshConfig
     from runtime.artifacts import LAYOUT, now, package_versions
     from runtime.checkpoint import CheckpointService, load_index
     from runtime.compat import fingerprint
@@ -281,24 +259,20 @@ def import_to_run(path: str, out_dir: str, *, config: str | None = None) -> dict
     from runtime.data.pipeline import train_batches
     from runtime.optim import build_optimizer
     from runtime.session import build_model, opt_state_shardings
-    from runtime.sharding import build_mesh
+    from runtime.sharding import offline_mesh
     from runtime.store import ArtifactStore
 
     src = Path(path).expanduser().resolve()
     out = Path(out_dir).expanduser().resolve()
-    read_hf_config(src, what=str(path))
+    if not src.is_dir():  # its config.json is read (and checked) as the run config is built
+        raise ConfigError(f"{path} is not a directory (expected a local Hugging Face model dir)")
     cfg = _import_run_config(src, out, config)
     store = ArtifactStore(str(out))
     if load_index(store).get("latest") is not None:
         raise ConfigError(f"{out} already has checkpoints; import into a new directory")
     store.check_writable()
 
-    devices = jax.devices()
-    mesh = (
-        build_mesh(cfg.mesh)
-        if cfg.mesh.size == len(devices)
-        else build_mesh(MeshConfig(), devices[:1])
-    )
+    mesh = offline_mesh(cfg.mesh)
     parts = build_model(cfg.model, cfg.run.seed, mesh)
     decay_steps = cfg.optimizer.schedule.decay_steps or cfg.training.total_steps
     tx, _ = build_optimizer(cfg.optimizer, decay_steps)

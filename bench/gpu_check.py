@@ -9,7 +9,9 @@ Prints one JSON object:
   step     the runtime's own jitted train step (as runtime/train.py builds it: AdamW, clip,
            accumulation scan, donation) on compute_dtype bfloat16: steady-state tokens/s over
            `--steps` steps after one warm step, and MFU = tokens/s × FLOPs/token / peak, where the
-           device's peak is in the catalogue (none on CPU: MFU is then null, never a guess).
+           device's peak is in the catalogue (none on CPU: MFU is then null, never a guess);
+           and runtime_over_baseline, its tokens/s over the hand-written step of
+           bench/step_overhead.py (baseline_step) on the same batch in the same process.
 `--size tiny` runs the same code in seconds on a CPU, which is how it is checked without a GPU.
 """
 
@@ -29,7 +31,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_overhead, beside this file
 
-from step_overhead import runtime_step, time_steps  # noqa: E402
+from step_overhead import baseline_step, runtime_step, time_steps  # noqa: E402
 
 from jobspec.load import parse_run_config  # noqa: E402
 from runtime.artifacts import device_peak  # noqa: E402
@@ -94,13 +96,18 @@ def logits_diff(size: str, seq_len: int, batch: int) -> dict[str, Any]:
 
 def step_throughput(size: str, seq_len: int, batch: int, steps: int, remat: str) -> dict[str, Any]:
     cfg = run_config(size, seq_len, batch, "bfloat16", remat)
-    fn, state, device_batch, _, _ = runtime_step(cfg)
+    fn, state, device_batch, parts, tx = runtime_step(cfg)
+    base_fn, base = baseline_step(cfg, parts, tx)  # before `fn` donates parts.params
     t0 = time.perf_counter()
     state, out = fn(state, device_batch)
     jax.block_until_ready(out)
     first_s = time.perf_counter() - t0
     _, dt = time_steps(fn, state, device_batch, steps)
     tps = steps * batch * seq_len / dt
+    # The same batch through the hand-written step in this process, after the runtime's.
+    del state
+    _, base_dt = time_steps(base_fn, base, device_batch, steps)
+    base_tps = steps * batch * seq_len / base_dt
     fpt = flops_per_token(cfg.model, seq_len)["total"]
     devices = jax.devices()
     name, peak = device_peak(devices)
@@ -113,6 +120,8 @@ def step_throughput(size: str, seq_len: int, batch: int, steps: int, remat: str)
         "first_step_s": round(first_s, 2),
         "step_s": round(dt / steps, 4),
         "tokens_per_s": round(tps),
+        "baseline_tokens_per_s": round(base_tps),
+        "runtime_over_baseline": round(tps / base_tps, 3),
         "flops_per_token": fpt,
         "accelerator": name,
         "peak_bf16_flops": peak,

@@ -7,7 +7,8 @@ Rendering needs no cluster: k8s and slurm backends are imported lazily, and one 
 imported is reported as {"absent": reason} instead of failing the benchmark. The submit figure
 is wall-clock from starting `launch submit` (a fresh Python, as a user runs it) to the time of
 the `first_step` event in events.jsonl, which the writer host records after step 1 (compilation
-included); `submit_return_s` is when `launch submit` itself returned.
+included); `submit_return_s` is when `launch submit` itself returned. A submit run that fails,
+ends without a first step, or outlasts the timeout exits non-zero with its status and log tail.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,6 +36,7 @@ from launch.cli import get_backend, prepare_submission  # noqa: E402
 from launch.registry import Registry  # noqa: E402
 
 HOSTS = (1, 64, 1024)
+TERMINAL = ("succeeded", "failed", "cancelled")
 # One realistic accelerator per backend; hosts -> (accelerator, devices per host).
 TPU_V5P = {1: "tpu-v5p-8", 64: "tpu-v5p-512", 1024: "tpu-v5p-8192"}  # 4 chips per host
 
@@ -135,31 +137,55 @@ def submit_bench(tmp: Path, manifest: str | None, timeout: float = 600) -> dict[
             cwd=ROOT, env=env, capture_output=True, text=True, check=True,
         )  # fmt: skip
 
+    def status() -> dict[str, Any]:
+        return json.loads(launch("status", run_id, "--json").stdout)
+
+    def fail(why: str, st: dict[str, Any]) -> NoReturn:
+        logs = subprocess.run(
+            [sys.executable, "-m", "launch.cli", "logs", run_id, "--tail", "20"],
+            cwd=ROOT, env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        raise SystemExit(
+            f"bench/launch.py: local submit run {run_id} {why}\nstatus: {json.dumps(st)}\n"
+            f"{logs.stdout[-3000:]}{logs.stderr[-1000:]}"
+        )
+
     t0 = time.time()
     run_id = json.loads(launch("submit", str(job), "--json").stdout)["run_id"]
     returned = time.time() - t0
     events = tmp / "runs" / run_id / "events.jsonl"
     first: dict[str, Any] | None = None
     deadline = time.monotonic() + timeout
-    while first is None and time.monotonic() < deadline:
-        if events.exists():
+    next_status = 0.0
+    st: dict[str, Any] = {}
+    # Until the first step is recorded, and then until the run ends: a run that ends (or fails)
+    # before its first step stops the wait at once instead of polling to the deadline.
+    while True:
+        if first is None and events.exists():
             rows = [json.loads(ln) for ln in events.read_text().splitlines() if ln.strip()]
             first = next((r for r in rows if r["event"] == "first_step"), None)
-        time.sleep(0.05)
-    while json.loads(launch("status", run_id, "--json").stdout)["state"] not in (
-        "succeeded", "failed", "cancelled"
-    ):  # fmt: skip
+        if time.monotonic() >= next_status:
+            st = status()
+            next_status = time.monotonic() + 0.5
+            if st["state"] in TERMINAL:
+                break
         if time.monotonic() > deadline:
             launch("cancel", run_id)
-            break
-        time.sleep(0.2)
-    state = json.loads(launch("status", run_id, "--json").stdout)["state"]
+            fail(f"did not end within {timeout:.0f} s (cancelled)", status())
+        time.sleep(0.05)
+    if first is None and events.exists():  # recorded between the last read and the end
+        rows = [json.loads(ln) for ln in events.read_text().splitlines() if ln.strip()]
+        first = next((r for r in rows if r["event"] == "first_step"), None)
+    if first is None:
+        fail(f"ended {st['state']} without a first_step event in {events}", st)
+    if st["state"] != "succeeded":
+        fail(f"ended {st['state']} after its first step", st)
     return {
         "processes": 2,
         "submit_return_s": round(returned, 3),
-        "submit_to_first_step_s": round(_parse_time(first["time"]) - t0, 3) if first else None,
-        "runtime_start_to_first_step_s": round(first["seconds_since_start"], 3) if first else None,
-        "final_state": state,
+        "submit_to_first_step_s": round(_parse_time(first["time"]) - t0, 3),
+        "runtime_start_to_first_step_s": round(first["seconds_since_start"], 3),
+        "final_state": st["state"],
     }
 
 

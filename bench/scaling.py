@@ -7,6 +7,9 @@ start to the first step (the `first_step` event). On a 2-core machine 4 processe
 cores, so this measures per-process overhead, not scaling. Prints JSON.
 
     python bench/scaling.py [--steps 30] [--processes 1,2,4]
+
+tokens_per_s_vs_1 is each layout's tokens/s over the 1-process layout's, which runs whether or
+not --processes names it.
 """
 
 from __future__ import annotations
@@ -71,14 +74,18 @@ def layout(tmp: Path, procs: int, steps: int, base: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--processes", default="1,2,4")
+    ap.add_argument(
+        "--processes", default="1,2,4", help="layouts to run; 1 is always run, as the baseline"
+    )
     ap.add_argument("--config", default=str(ROOT / "configs/smoke.toml"))
     args = ap.parse_args()
     base = read_toml(args.config)
     os.chdir(ROOT)  # the smoke config's data path is relative to the checkout
+    # The 1-process layout is the baseline of tokens_per_s_vs_1, so it always runs, first.
+    procs = sorted({1, *(int(p) for p in args.processes.split(",") if p.strip())})
     with tempfile.TemporaryDirectory() as tmp:
-        out = [layout(Path(tmp), int(p), args.steps, base) for p in args.processes.split(",")]
-    one = out[0]["tokens_per_s"]
+        out = [layout(Path(tmp), p, args.steps, base) for p in procs]
+    one = next(r for r in out if r["processes"] == 1)["tokens_per_s"]
     for r in out:
         r["tokens_per_s_vs_1"] = r["tokens_per_s"] / one
     print(

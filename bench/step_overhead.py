@@ -67,13 +67,44 @@ def runtime_step(cfg):
         "params": parts.params,
         "opt_state": jax.jit(tx.init, out_shardings=o_sh)(parts.params),
         "step": jax.device_put(jnp.zeros((), jnp.int32), rep),
-        "rng": jax.device_put(jax.random.PRNGKey(0), rep),
+        "rng": jax.device_put(jax.random.PRNGKey(cfg.run.seed), rep),  # as runtime/train.py
     }
     fn = jax.jit(
         make_train_step(parts.graphdef, parts.others, tx, schedule),
         in_shardings=(state_sh, b_sh), out_shardings=(state_sh, rep), donate_argnums=0,
     )  # fmt: skip
     return fn, state, batch, parts, tx
+
+
+def baseline_step(cfg, parts, tx):
+    """(jitted step, carry): the hand-written baseline on its own copy of `parts.params`.
+
+    Takes the same device batch as runtime_step's. Call it before the runtime step first runs:
+    that step donates `parts.params`, so they cannot be copied afterwards. The carry is placed
+    as the step returns it (params and optimizer state on their shardings), so the first call
+    compiles the only program: an uncommitted carry would compile a second one on call two.
+    """
+    mesh = build_mesh(cfg.mesh)
+    graphdef, others = parts.graphdef, parts.others
+    p_sh = parts.param_shardings
+    o_sh = opt_state_shardings(tx, parts.params, p_sh, mesh)
+    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=p_sh)(parts.params)
+
+    def step(carry, b):
+        params, opt_state = carry
+
+        def loss_fn(p):
+            model = nnx.merge(graphdef, p, *others)
+            logits = model(b["inputs"][0], b["positions"][0], b["segment_ids"][0])
+            s, c = cross_entropy_sums(logits, b["targets"][0], b["loss_mask"][0])
+            return s / c
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    fn = jax.jit(step, out_shardings=((p_sh, o_sh), replicated(mesh)), donate_argnums=0)
+    return fn, (params, jax.jit(tx.init, out_shardings=o_sh)(params))
 
 
 def measure_step(cfg, steps: int) -> float:
@@ -95,25 +126,7 @@ def main() -> None:
     ours_fn, ours, batch, parts, tx = runtime_step(cfg)
 
     # The hand-written baseline on its own copy of the same parameters.
-    graphdef = parts.graphdef
-    others = parts.others
-    base_params = jax.tree.map(jnp.copy, parts.params)
-
-    def base_step(carry, b):
-        params, opt_state = carry
-
-        def loss_fn(p):
-            model = nnx.merge(graphdef, p, *others)
-            logits = model(b["inputs"][0], b["positions"][0], b["segment_ids"][0])
-            s, c = cross_entropy_sums(logits, b["targets"][0], b["loss_mask"][0])
-            return s / c
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
-    base_fn = jax.jit(base_step, donate_argnums=0)
-    base = (base_params, tx.init(base_params))
+    base_fn, base = baseline_step(cfg, parts, tx)
 
     ours_time = base_time = 0.0
     for r in range(args.rounds):

@@ -57,6 +57,8 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         ["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=120
     )
     if proc.returncode != 0:
+        # A start that failed partway may have left munged or a daemon running: stop them.
+        subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, timeout=120)
         pytest.fail(f"scripts/slurm-dev-cluster.sh start failed:\n{proc.stderr}", pytrace=False)
     try:
         with pytest.MonkeyPatch.context() as mp:

@@ -12,8 +12,10 @@ from runs import run_cli, tiny_config, write_config
 pytestmark = pytest.mark.gcs
 
 
-def test_run_resume_and_inspect_on_gcs(tmp_path, corpus_dir, gcs_bucket):
-    data = f"{gcs_bucket}/data/tiny"
+def test_run_resume_and_inspect_on_gcs(tmp_path, corpus_dir, orbax_gs_run_uri):
+    # A fresh prefix per test (nothing left by another test is seen), on an emulator that
+    # honours the conditional writes Orbax's saves need (the fixture skips on one that does not).
+    data = f"{orbax_gs_run_uri}/data/tiny"
     prep = run_cli(
         "data",
         "prepare",
@@ -28,7 +30,7 @@ def test_run_resume_and_inspect_on_gcs(tmp_path, corpus_dir, gcs_bucket):
     check = run_cli("data", "check", f"{data}/manifest.json", "--deep", "--json")
     assert check.returncode == 0, check.stderr
 
-    runs = f"{gcs_bucket}/runs"
+    runs = f"{orbax_gs_run_uri}/runs"
     cfg = tiny_config(f"{data}/manifest.json", runs, run_id="gcs", checkpoint={"every": 5},
                       evals=[{"name": "val", "batches": 1}])  # fmt: skip
     path = write_config(tmp_path / "gcs.toml", cfg)

@@ -28,7 +28,8 @@ from runtime.hf.io import (  # noqa: E402
 )
 from runtime.session import build_model  # noqa: E402
 from runtime.sharding import build_mesh  # noqa: E402
-from tests.runs import prepared, run_cli, tiny_config, write_config  # noqa: E402, F401
+
+from runs import run_cli, tiny_config, write_config  # noqa: E402
 
 TOL = 1e-4
 BATCH = np.array([[1, 5, 9, 77, 3, 120, 64, 2], [100, 0, 42, 42, 7, 19, 88, 127]], np.int32)
@@ -51,10 +52,11 @@ def _hf_model(tmp: Path, *, tied: bool, vocab: int = 128, seed: int = 0, **cfg) 
     return tmp
 
 
-def _hf_logits(path: Path, batch: np.ndarray) -> np.ndarray:
-    model = transformers.Qwen3ForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32
-    ).eval()
+def _hf_logits(path: Path, batch: np.ndarray, cls=None) -> np.ndarray:
+    """transformers' fp32 logits for `batch` from the model saved at `path` (eager attention:
+    the reference math, not a fused kernel); `cls` defaults to Qwen3ForCausalLM."""
+    cls = cls or transformers.Qwen3ForCausalLM
+    model = cls.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.from_numpy(batch.astype(np.int64))).logits.numpy()
 
@@ -194,7 +196,7 @@ def test_init_from_fills_model_keys_and_toml_wins(tmp_path):
         parse_run_config(base)
 
 
-def test_finetune_from_hf_then_export(tmp_path, prepared):  # noqa: F811
+def test_finetune_from_hf_then_export(tmp_path, prepared):
     from runtime.offline import _restore
     from runtime.train import train
 
@@ -228,7 +230,7 @@ def test_finetune_from_hf_then_export(tmp_path, prepared):  # noqa: F811
     assert diff <= TOL
 
 
-def test_import_with_config_then_resume(tmp_path, prepared):  # noqa: F811
+def test_import_with_config_then_resume(tmp_path, prepared):
     from jobspec.load import load_run_config
     from runtime.train import train
 
@@ -275,9 +277,7 @@ def test_moe_logit_parity_and_round_trip(tmp_path, tied, norm_topk_prob):
     cfg, parts, model = _import(src)
     assert cfg.family == "qwen3_moe" and cfg.num_experts == 4
     assert cfg.norm_topk_prob is norm_topk_prob
-    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf(torch.from_numpy(BATCH.astype(np.int64))).logits.numpy()
+    ref = _hf_logits(src, BATCH, cls=transformers.Qwen3MoeForCausalLM)
     ours = _our_logits(model, BATCH)
     diff = float(np.max(np.abs(ours - ref)))
     print(f"moe import max abs diff: {diff:.3g}")
@@ -286,7 +286,5 @@ def test_moe_logit_parity_and_round_trip(tmp_path, tied, norm_topk_prob):
     out = tmp_path / "out"
     write_hf(cfg, parts.params, out)
     _same_tensors(original, load_file(str(out / SINGLE)))
-    back = transformers.Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        again = back(torch.from_numpy(BATCH.astype(np.int64))).logits.numpy()
+    again = _hf_logits(out, BATCH, cls=transformers.Qwen3MoeForCausalLM)
     np.testing.assert_array_equal(again, ref)

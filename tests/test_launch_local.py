@@ -102,8 +102,10 @@ def finished(tmp_path_factory, prepared):
     state = tmp / "state"
     job = write_job(tmp, prepared, "tiny", steps=12, training={"log_every": 3})
     t0 = time.monotonic()
-    r = launch("submit", str(job), "--wait", state=state)
-    kill_leftovers(state)
+    try:
+        r = launch("submit", str(job), "--wait", state=state)
+    finally:  # a --wait that raises (a timeout) must not leave the run training either
+        kill_leftovers(state)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_id = Registry(state / "jaxjob").list()[0].run_id
     return {"state": state, "run_id": run_id, "out": r, "seconds": time.monotonic() - t0}

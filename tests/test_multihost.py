@@ -203,10 +203,14 @@ def test_sigkill_of_one_host_ends_the_others(tmp_path, prepared):
     assert host0.returncode not in (0, None), hosts.describe()
     assert took < 10 + 30, f"host 0 needed {took:.0f} s to give up"
     assert "host 1" in host0.stderr, host0.stderr[-3000:]
+    # Checkpoints every 2 steps and the kill comes after step 5 was logged, so steps 2 and 4
+    # were due before it: at least one must be indexed, and whatever is indexed was committed.
     index_path = tmp_path / "runs/kill/checkpoints/index.json"
-    if index_path.exists():  # whatever is indexed was committed
-        for entry in json.loads(index_path.read_text())["checkpoints"]:
-            assert (tmp_path / "runs/kill/checkpoints" / str(entry["step"])).is_dir()
+    assert index_path.is_file(), "no checkpoint was committed before the kill"
+    entries = json.loads(index_path.read_text())["checkpoints"]
+    assert entries, "the index lists no checkpoint"
+    for entry in entries:
+        assert (tmp_path / "runs/kill/checkpoints" / str(entry["step"])).is_dir()
 
 
 def test_wrong_coordinator_fails_with_a_clear_error(tmp_path, prepared):

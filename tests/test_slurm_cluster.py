@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,22 @@ def backend(slurm_cluster) -> SlurmBackend:
     )
 
 
+@pytest.fixture
+def submit(backend) -> Iterator[Callable[[Submission, Path], Handle]]:
+    """backend.submit, and at teardown a cancel of whatever the test's jobs still run: an
+    assert that fails before a test's own cancel must not leave its job holding the node."""
+    handles: list[Handle] = []
+
+    def _submit(sub: Submission, rundir: Path) -> Handle:
+        handle = backend.submit(sub, rundir=rundir)
+        handles.append(handle)
+        return handle
+
+    yield _submit
+    for handle in handles:  # a job that has ended already is left as it is
+        backend.cancel(handle, grace_s=0)
+
+
 def _wait(
     backend: SlurmBackend, handle: Handle, states: tuple[str, ...], timeout: float
 ) -> dict[str, Any]:
@@ -74,9 +91,9 @@ def _explain(backend: SlurmBackend, handle: Handle) -> str:
     return f"{backend.status(handle)}\n{batch.read_text() if batch.exists() else ''}\n{tail}"
 
 
-def test_two_hosts_train_to_completion(backend, prepared, tmp_path, monkeypatch):
+def test_two_hosts_train_to_completion(backend, submit, prepared, tmp_path):
     sub = _submission(tmp_path, prepared, "slurm-train", max_restarts=0)
-    handle = backend.submit(sub, rundir=tmp_path / "rundir")
+    handle = submit(sub, tmp_path / "rundir")
     assert handle.backend == "slurm" and handle.data["job_id"].isdigit()
     assert {"job.sbatch", "cfg.toml", "job.yaml"} <= {
         p.name for p in (tmp_path / "rundir").iterdir()
@@ -104,11 +121,11 @@ def test_two_hosts_train_to_completion(backend, prepared, tmp_path, monkeypatch)
     assert boot["coordinator"].endswith(f":{port}"), boot
 
 
-def test_cancel_checkpoints_then_ends_cancelled(backend, prepared, tmp_path):
+def test_cancel_checkpoints_then_ends_cancelled(backend, submit, prepared, tmp_path):
     long = {"target_tokens": 16 * 8 * 100_000}
     # Restarts allowed: the hosts exit 42 (restartable), and the cancel must still not requeue.
     sub = _submission(tmp_path, prepared, "slurm-cancel", max_restarts=2, training=long)
-    handle = backend.submit(sub, rundir=tmp_path / "rundir")
+    handle = submit(sub, tmp_path / "rundir")
     metrics = tmp_path / "runs" / "slurm-cancel" / "metrics" / "train.jsonl"
     deadline = time.monotonic() + 150
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -129,10 +146,10 @@ def test_cancel_checkpoints_then_ends_cancelled(backend, prepared, tmp_path):
     assert codes == ["42", "42"], _explain(backend, handle)
 
 
-def test_bad_input_fails_at_once_without_requeue(backend, prepared, tmp_path):
+def test_bad_input_fails_at_once_without_requeue(backend, submit, prepared, tmp_path):
     # Exit 2 (bad input) is not restartable, even with restarts allowed.
     sub = _submission(tmp_path, str(tmp_path / "missing.json"), "slurm-bad", max_restarts=2)
-    handle = backend.submit(sub, rundir=tmp_path / "rundir")
+    handle = submit(sub, tmp_path / "rundir")
     st = _wait(backend, handle, TERMINAL, timeout=120)
     assert st["state"] == "failed" and st["exit_code"] == 2, _explain(backend, handle)
     assert st["attempt"] == 0 and "exited 2" in st["detail"], st

@@ -22,12 +22,7 @@ class Accelerator:
     hosts_per_slice: int | None  # fixed by a TPU slice's topology; None = any number of hosts
     resource: str | None  # Kubernetes extended resource, e.g. google.com/tpu
     node_selector: dict[str, str]
-    topology: str | None = None  # TPU slice topology, e.g. "4x4" or "2x2x4"
     multi_slice: bool = False
-
-    @property
-    def chips_per_slice(self) -> int | None:
-        return None if self.hosts_per_slice is None else self.hosts_per_slice * self.chips_per_host
 
 
 _GPUS = {
@@ -87,7 +82,6 @@ def _tpu(gen: str, n: int, name: str) -> Accelerator:
             "cloud.google.com/gke-tpu-accelerator": label,
             "cloud.google.com/gke-tpu-topology": table[chips],
         },
-        topology=table[chips],
         multi_slice=True,
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +20,14 @@ from jobspec.run_config import RunConfig
 @dataclass(frozen=True)
 class LoadedJob:
     spec: JobSpec
-    run: RunConfig  # with the spec's output_uri applied
+    run: RunConfig  # with the spec's output_uri and run.id = run_id applied
     run_toml: str  # the run config as the hosts will read it (cfg.toml)
     spec_yaml: str  # the job spec as given
     path: Path
+    run_id: str  # the run id every host will use
 
 
-def _read_yaml(path: Path) -> dict:
+def _read_yaml(path: Path) -> tuple[str, dict]:
     if not path.is_file():
         raise ConfigError(f"{path}: no such job spec file")
     text = path.read_text()
@@ -38,12 +40,15 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a job spec is a mapping of keys (name, run, accelerator, …)")
-    return data
+    return text, data
 
 
-def load_job(path: str | Path) -> LoadedJob:
+def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = None) -> LoadedJob:
+    """The job spec at `path` and its run config, validated once with the run id the hosts use:
+    the spec's run_id, else `new_run_id(spec)` (a fresh one), else the job's name (to check a
+    job without submitting it). A run config need not carry a run.id of its own."""
     p = Path(path)
-    text_data = _read_yaml(p)
+    yaml_text, text_data = _read_yaml(p)
     try:
         spec = JobSpec.model_validate(text_data)
     except ValidationError as e:
@@ -58,12 +63,14 @@ def load_job(path: str | Path) -> LoadedJob:
         raw, source = dict(spec.run), f"{p}: run"
     if spec.output_uri is not None:
         raw = merge(raw, {"run": {"output_uri": spec.output_uri}})
+    run_id = spec.run_id or (new_run_id(spec) if new_run_id is not None else spec.name)
+    raw = merge(raw, {"run": {"id": run_id}})
     run = parse_run_config(raw, source)
-    return LoadedJob(spec, run, tomli_w.dumps(raw), p.read_text(), p)
+    return LoadedJob(spec, run, tomli_w.dumps(raw), yaml_text, p, run_id)
 
 
 def run_with_id(job: LoadedJob, run_id: str) -> tuple[RunConfig, str]:
-    """The run config (and its TOML) with the run id every host will use."""
+    """The run config (and its TOML) with another run id than the one `job` was loaded with."""
     raw = merge(tomllib.loads(job.run_toml), {"run": {"id": run_id}})
     return parse_run_config(raw, "run config"), tomli_w.dumps(raw)
 

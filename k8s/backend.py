@@ -25,7 +25,7 @@ from k8s.render import (
     render_manifests,
     to_yaml,
 )
-from launch.backend import Handle, RenderedFile, Submission
+from launch.backend import Handle, RenderedFile, Submission, tail_lines
 
 if TYPE_CHECKING:
     from kubernetes import client as k8s_client
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 class K8sBackend:
     name = "k8s"
+    writes_run_files = False  # the config goes to a ConfigMap; `launch submit` keeps the copy
 
     def __init__(
         self,
@@ -357,7 +358,7 @@ def saved_logs(
         if host is not None and h != host:
             continue
         lines = fs.cat_file(p).decode(errors="replace").splitlines()
-        for line in lines if tail is None else lines[max(0, len(lines) - tail) :]:
+        for line in tail_lines(lines, tail):
             yield f"[host {h}] {line}"
 
 

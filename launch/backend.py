@@ -5,13 +5,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from jobspec.exit_codes import RESTARTABLE_EXIT_CODES  # noqa: F401  (backends import it here)
 from jobspec.job_spec import JobSpec
+
+# The states after which a run never changes again (every backend's status() reports one of
+# these, or pending/running/unknown).
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+T = TypeVar("T")
+
+
+def tail_lines(lines: Sequence[T], tail: int | None) -> list[T]:
+    """The last `tail` items of `lines` (all of them for None, none for 0), as `--tail` means."""
+    if tail is None:
+        return list(lines)
+    return list(lines[max(0, len(lines) - tail) :])
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,9 @@ class Handle:
 
 class Backend(Protocol):
     name: str
+    # Whether submit writes cfg.toml and job.yaml into the registry's run folder itself;
+    # otherwise `launch submit` writes them there (once) for the record.
+    writes_run_files: bool
 
     def render(self, sub: Submission) -> list[RenderedFile]:
         """Exactly what submit would send; nothing is sent."""

@@ -20,14 +20,14 @@ import click
 
 from jobspec.cli import run_group
 from jobspec.errors import ConfigError, JaxjobError
-from jobspec.job_spec import check_mesh_fits
-from jobspec.load_job import job_schema, load_job, run_with_id
-from launch.backend import Backend, Submission
+from jobspec.job_spec import JobSpec, check_mesh_fits
+from jobspec.load_job import job_schema, load_job
+from launch.backend import TERMINAL, Backend, Submission
 from launch.registry import Registry, RunRecord, utc_now
 from launch.runid import new_run_id
+from runtime.storage import is_remote
 
 EXIT_RUN_FAILED = 1  # `--wait`: the run ended failed or cancelled
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 # name: (module, class, pip extra that brings its client library)
 BACKENDS: dict[str, tuple[str, str, str | None]] = {
@@ -69,18 +69,16 @@ def _backend_options(backend: str, context: str | None, namespace: str | None) -
     return {}
 
 
-def _is_remote(uri: str) -> bool:
-    return "://" in uri and not uri.startswith("file://")
-
-
 def prepare_submission(job_path: str, backend: str, registry: Registry) -> Submission:
     """Load and check everything, in the order a user's mistakes are most likely found."""
-    job = load_job(job_path)
-    spec = job.spec
-    run_id = spec.run_id or new_run_id(spec.name)
-    while spec.run_id is None and registry.exists(run_id):  # a fresh id never reuses a run
-        run_id = new_run_id(spec.name)
-    run, run_toml = run_with_id(job, run_id)
+
+    def fresh_id(spec: JobSpec) -> str:  # a fresh id never reuses a run
+        while registry.exists(run_id := new_run_id(spec.name)):
+            pass
+        return run_id
+
+    job = load_job(job_path, fresh_id)
+    spec, run, run_id, run_toml = job.spec, job.run, job.run_id, job.run_toml
     try:
         check_mesh_fits(spec, run, backend)  # type: ignore[arg-type]
     except ConfigError as e:  # the sentence names the field; add the file it is in
@@ -88,7 +86,7 @@ def prepare_submission(job_path: str, backend: str, registry: Registry) -> Submi
     output_uri = run.run.output_uri
     # A relative path means "here" for processes on this machine or a shared filesystem
     # (local, slurm); inside a k8s container it is the container's own, so it stays as written.
-    if not _is_remote(output_uri) and backend != "k8s":
+    if not is_remote(output_uri) and backend != "k8s":
         output_uri = str(Path(output_uri.removeprefix("file://")).resolve())
     return Submission(
         spec=spec,
@@ -115,11 +113,12 @@ def _fmt_progress(p: dict[str, Any]) -> str:
     return out + (f", loss {loss:.4f}" if isinstance(loss, int | float) else "")
 
 
-def _status(rec: RunRecord) -> dict[str, Any]:
+def _status(rec: RunRecord, st: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's state (`st`: the backend's status when the caller already has it)."""
     from launch.progress import read_progress
 
-    backend = get_backend(rec.backend, rec.backend_options)
-    st = backend.status(rec.to_handle())
+    if st is None:
+        st = get_backend(rec.backend, rec.backend_options).status(rec.to_handle())
     return {
         "run_id": rec.run_id,
         "backend": rec.backend,
@@ -190,7 +189,8 @@ def submit_cmd(
     existed = run_dir.exists()
     try:
         handle = impl.submit(sub)
-        registry.prepare_run_dir(sub)
+        if not getattr(impl, "writes_run_files", False):  # local and slurm write their own
+            registry.prepare_run_dir(sub)
     except BaseException:
         if not existed:  # nothing was submitted: leave no trace in the registry
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -202,7 +202,6 @@ def submit_cmd(
         output_uri=sub.output_uri,
         submitted=utc_now(),
         job_path=str(Path(job).resolve()),
-        name=sub.spec.name,
         backend_options=options,
     )
     registry.record(rec)
@@ -220,13 +219,13 @@ def submit_cmd(
     if not as_json:
         click.echo(f"submitted {rec.run_id} to the {backend} backend; waiting for it", err=True)
     try:
-        _wait(impl, rec, stream=not as_json)
+        st = _wait(impl, rec, stream=not as_json)
     except KeyboardInterrupt:
         click.echo(
             f"stopped waiting; {rec.run_id} goes on (launch cancel {rec.run_id} stops it)", err=True
         )
         sys.exit(130)
-    info = _status(rec)
+    info = _status(rec, st)
     if as_json:
         _print_json(info)
     else:

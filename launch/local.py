@@ -20,7 +20,7 @@ from typing import Any
 import launch
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.job_spec import SecretRef
-from launch.backend import Handle, RenderedFile, Submission
+from launch.backend import TERMINAL, Handle, RenderedFile, Submission, tail_lines
 from launch.registry import Registry, read_json, write_json_atomic
 from launch.supervisor import (
     ATTEMPT_PLACEHOLDER,
@@ -29,7 +29,6 @@ from launch.supervisor import (
     PLAN_FILE,
     STATE_FILE,
     SUPERVISOR_LOG,
-    TERMINAL,
     supervise,
 )
 
@@ -65,7 +64,7 @@ def check_secrets(sub: Submission) -> None:
             )
 
 
-def host_plan(sub: Submission, run_dir: Path, cwd: Path | None = None) -> dict[str, Any]:
+def host_plan(sub: Submission, run_dir: Path) -> dict[str, Any]:
     """Each host's exact command and the environment jaxjob sets for it (the rest of the
     environment is inherited from the submitting shell)."""
     spec = sub.spec
@@ -87,7 +86,7 @@ def host_plan(sub: Submission, run_dir: Path, cwd: Path | None = None) -> dict[s
     command = [sys.executable, "-m", "runtime.cli", "worker", str(run_dir / "cfg.toml")]
     return {
         "run_id": sub.run_id,
-        "cwd": str(cwd or Path.cwd()),  # relative paths in the run config resolve here
+        "cwd": str(Path.cwd()),  # relative paths in the run config resolve here
         "processes": procs,
         "devices_per_process": devices,
         "max_restarts": spec.max_restarts,
@@ -108,14 +107,8 @@ def host_plan(sub: Submission, run_dir: Path, cwd: Path | None = None) -> dict[s
 
 def _is_supervisor(pid: int | None) -> bool:
     """Whether `pid` is a live supervisor (not a zombie, not a recycled pid)."""
-    if not pid:
+    if not pid or not _pid_alive(pid):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     proc = Path(f"/proc/{pid}")
     if not proc.exists():
         return True  # no procfs (macOS): the signal check is all there is
@@ -133,7 +126,7 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # alive, owned by someone else
     return True
 
 
@@ -157,6 +150,7 @@ def _host_files(attempt_dir: Path, host: int | None) -> list[tuple[int, Path]]:
 
 class LocalBackend:
     name = "local"
+    writes_run_files = True  # submit writes cfg.toml and job.yaml into the registry's run folder
 
     def __init__(self, registry: Registry | None = None) -> None:
         self.registry = registry or Registry()
@@ -281,14 +275,12 @@ class LocalBackend:
             for i, f in _host_files(d, host):
                 lines += [(i, ln) for ln in f.read_text(errors="replace").splitlines()]
         if tail is not None:
-            # Like `kubectl logs --tail`: the last K lines of each host.
-            keep: dict[int, int] = {}
-            picked = []
-            for i, ln in reversed(lines):
-                if keep.get(i, 0) < tail:
-                    keep[i] = keep.get(i, 0) + 1
-                    picked.append((i, ln))
-            lines = picked[::-1]
+            # Like `kubectl logs --tail`: the last K lines of each host, in the order written.
+            per_host: dict[int, list[int]] = {}
+            for k, (i, _) in enumerate(lines):
+                per_host.setdefault(i, []).append(k)
+            keep = {k for ks in per_host.values() for k in tail_lines(ks, tail)}
+            lines = [x for k, x in enumerate(lines) if k in keep]
         for i, ln in lines:
             yield f"[host {i}] {ln}"
 

@@ -68,7 +68,6 @@ class RunRecord:
     output_uri: str  # the run's artifacts are under <output_uri>/<run_id>
     submitted: str  # ISO 8601, UTC
     job_path: str
-    name: str = ""
     backend_options: dict[str, Any] = field(default_factory=dict)  # e.g. k8s context, namespace
 
     @property

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import re
 import secrets
 import string
+
+from jobspec.run_config import RUN_ID_RE
 
 SUFFIX_ALPHABET = string.ascii_lowercase + string.digits
 SUFFIX_LEN = 6
 MAX_LEN = 63  # DNS-1123 label
-_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 def new_run_id(name: str) -> str:
@@ -22,4 +22,4 @@ def new_run_id(name: str) -> str:
 
 
 def is_run_id(value: str) -> bool:
-    return len(value) <= MAX_LEN and bool(_LABEL.match(value))
+    return bool(RUN_ID_RE.match(value))  # a DNS-1123 label, at most MAX_LEN characters

@@ -24,11 +24,13 @@ code over all tasks, and `--kill-on-bad-exit` SIGTERMs the others once one fails
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -37,12 +39,15 @@ from typing import Any
 
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.job_spec import JobSpec, SecretRef
-from launch.backend import RESTARTABLE_EXIT_CODES, Handle, RenderedFile, Submission
-from launch.registry import state_root
+from launch.backend import RESTARTABLE_EXIT_CODES, Handle, RenderedFile, Submission, tail_lines
+from launch.registry import Registry
 
+# The checkout `launch` runs from: a detached escalation (cancel) imports the same code.
+_SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
 SCRIPT, CONFIG, SPEC = "job.sbatch", "cfg.toml", "job.yaml"
 CANCEL_MARK = "cancel-requested"  # written by cancel(); the batch shell then never requeues
 RESULT = "result"  # "<exit code> <attempt>", written by the batch shell when it ends the job
+EXITS = "exit"  # exit/attempt-<A>/host-<N>: each host's own exit code
 # Coordinator port = base + job id % 4096: the range JAX's own SLURM detection uses, and every
 # host computes the same port without talking to the others.
 PORT_BASE = 61440
@@ -62,7 +67,7 @@ class SlurmError(JaxjobError):
 def default_rundir(run_id: str) -> Path:
     """Where a run's files go when the caller names no directory: its folder in the run registry
     (the submitting user's state dir; it must be on a filesystem the nodes share)."""
-    return state_root() / "runs" / run_id
+    return Registry().run_dir(run_id)
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ class RunDir:
 
     @property
     def exits(self) -> Path:
-        return self.root / "exit"
+        return self.root / EXITS
 
     @property
     def cancel_mark(self) -> Path:
@@ -180,10 +185,11 @@ def _directives(
     return lines
 
 
-def _env_lines(spec: JobSpec, sub: Submission, output_uri: str) -> list[str]:
+def _env_lines(spec: JobSpec, sub: Submission) -> list[str]:
     lines = [
         f"export JAXJOB_RUN_ID={_word(sub.run_id, 'run_id')}",
-        f"export JAXJOB_OUTPUT_URI={_word(output_uri, 'output_uri')}",
+        # Already absolute (or remote): prepare_submission resolved it where launch runs.
+        f"export JAXJOB_OUTPUT_URI={_word(sub.output_uri, 'output_uri')}",
         'export JAXJOB_ATTEMPT="${SLURM_RESTART_COUNT:-0}"',
         "# Process 0 runs on the first host of the allocation (srun's block distribution); the",
         "# port comes from the job id, so every host computes the same address on its own.",
@@ -234,7 +240,7 @@ done
 if ((fatal == 0 && restart == 0 && rc != 0)); then fatal=$rc; fi  # srun itself failed
 if ((fatal != 0)); then say "a host exited $fatal (hosts: $codes): not restartable"; finish "$fatal"; fi
 if ((restart == 0)); then say "every host finished"; finish 0; fi
-if [ -e "$rundir/cancel-requested" ]; then say "hosts exited $codes after launch cancel"; finish "$restart"; fi
+if [ -e "$rundir/CANCEL_MARK" ]; then say "hosts exited $codes after launch cancel"; finish "$restart"; fi
 if ((JAXJOB_ATTEMPT < MAX_RESTARTS)); then
     say "hosts exited $codes: requeueing (restart $((JAXJOB_ATTEMPT + 1)) of MAX_RESTARTS)"
     scontrol requeue "$SLURM_JOB_ID" && exit 0
@@ -289,6 +295,7 @@ def render_script(
 
     verdict = VERDICT.replace("RESTARTABLE", "|".join(map(str, RESTARTABLE_EXIT_CODES)))
     verdict = verdict.replace("MAX_RESTARTS", str(spec.max_restarts))
+    verdict = verdict.replace("CANCEL_MARK", CANCEL_MARK)
     lines = [
         "#!/bin/bash",
         f"# jaxjob run {sub.run_id}, rendered by the slurm backend; submit with: sbatch {SCRIPT}",
@@ -297,7 +304,7 @@ def render_script(
         *_directives(spec, sub, rd, workdir, nodes, per_node),
         f"rundir={_word(str(rd.root), 'rundir')}",
         'say() { echo "jaxjob: attempt $JAXJOB_ATTEMPT: $*"; }',
-        'finish() { echo "$1 $JAXJOB_ATTEMPT" >"$rundir/result"; exit "$1"; }',
+        f'finish() {{ echo "$1 $JAXJOB_ATTEMPT" >"$rundir/{RESULT}"; exit "$1"; }}',
         "",
         "# ---- setup (slurm.setup in the job spec)",
         *(spec.slurm.setup or ["# (none)"]),
@@ -307,11 +314,11 @@ def render_script(
         "set -uo pipefail",
         "",
         "# ---- the env contract; process id and world size are set per task, below",
-        *_env_lines(spec, sub, _absolute_uri(sub.output_uri, workdir)),
+        *_env_lines(spec, sub),
         "",
-        'exits="$rundir/exit/attempt-$JAXJOB_ATTEMPT"',
+        f'exits="$rundir/{EXITS}/attempt-$JAXJOB_ATTEMPT"',
         'mkdir -p "$exits" && rm -f "$exits"/host-*',
-        'if [ -e "$rundir/cancel-requested" ]; then say "launch cancel came before the hosts started"; finish 1; fi',
+        f'if [ -e "$rundir/{CANCEL_MARK}" ]; then say "launch cancel came before the hosts started"; finish 1; fi',
         'say "on $SLURM_JOB_NODELIST, coordinator $JAXJOB_COORDINATOR"',
         f"host_wrapper={shlex.quote(HOST_WRAPPER)}",
         " \\\n    ".join(srun),
@@ -322,13 +329,6 @@ def render_script(
         "",
     ]
     return "\n".join(lines)
-
-
-def _absolute_uri(uri: str, cwd: str) -> str:
-    """A relative local output path, made absolute against the hosts' working directory."""
-    if "://" in uri or os.path.isabs(uri):
-        return uri
-    return os.path.normpath(os.path.join(cwd, uri))
 
 
 # ---- talking to SLURM ------------------------------------------------------------------------
@@ -388,17 +388,19 @@ class SlurmBackend:
     `hosts_per_node` > 1 packs that many host processes on each node, for CPU jobs only: how a
     one-machine dev cluster runs a 2-host job. Production GPU jobs keep one host per node.
     `runtime_command` starts the runtime on a node (default `runtime`, on the nodes' PATH after
-    the setup lines). `cluster` is passed to every command as `--clusters` (multi-cluster sites).
+    the setup lines). On a multi-cluster site the cluster sbatch names is kept in the handle and
+    passed to every later command as `--clusters`.
     """
 
     name = "slurm"
+    # submit writes cfg.toml and job.yaml into the run directory (by default the registry's)
+    writes_run_files = True
 
     def __init__(
         self,
         *,
         hosts_per_node: int | None = None,
         runtime_command: Sequence[str] = ("runtime",),
-        cluster: str | None = None,
         poll_s: float = 1.0,
     ) -> None:
         # None: the job spec's slurm.hosts_per_node decides.
@@ -406,11 +408,9 @@ class SlurmBackend:
             raise ConfigError(f"hosts_per_node={hosts_per_node} must be at least 1")
         self.hosts_per_node = hosts_per_node
         self.runtime_command = tuple(runtime_command)
-        self.cluster = cluster
         self.poll_s = poll_s
 
     def _cmd(self, name: str, *args: str, cluster: str | None = None) -> list[str]:
-        cluster = cluster or self.cluster
         return [name, *([f"--clusters={cluster}"] if cluster else []), *args]
 
     # -- render / submit
@@ -457,13 +457,13 @@ class SlurmBackend:
         data: dict[str, Any] = {
             "job_id": job_id,
             "workdir": str(rd.root),
-            "output_uri": _absolute_uri(sub.output_uri, str(cwd)),
+            "output_uri": sub.output_uri,
             "run_id": sub.run_id,
             "hosts": sub.spec.host_processes("slurm"),
             "grace_s": sub.spec.slurm.signal_grace_s,
         }
-        if cluster or self.cluster:
-            data["cluster"] = cluster or self.cluster
+        if cluster:
+            data["cluster"] = cluster
         return Handle(self.name, data)
 
     # -- status
@@ -541,7 +541,7 @@ class SlurmBackend:
         readers = {h: _LineReader(rd.host_log(h)) for h in hosts}
         for h, r in readers.items():
             lines = r.read_lines(final=not follow)
-            for line in lines[-tail:] if tail is not None else lines:
+            for line in tail_lines(lines, tail):
                 yield f"[host {h}] {line}"
         while follow:
             done = self.status(handle)["state"] not in ("pending", "running")
@@ -557,10 +557,12 @@ class SlurmBackend:
 
     # -- cancel
 
-    def cancel(self, handle: Handle, *, grace_s: float | None = None, wait: bool = True) -> None:
+    def cancel(self, handle: Handle, *, grace_s: float | None = None, wait: bool = False) -> None:
         """SIGTERM to every host (the runtime checkpoints and exits 42; the batch shell, seeing
         the cancel mark, does not requeue); after `grace_s` (default slurm.signal_grace_s)
-        whatever still runs is cancelled outright. `wait=False` sends SIGTERM and returns."""
+        whatever still runs is cancelled outright. Returns once SIGTERM is sent, leaving that
+        escalation to a detached process; `wait=True` escalates here and returns once the job
+        has ended."""
         rd = RunDir(Path(handle.data["workdir"]))
         job_id, cluster = str(handle.data["job_id"]), handle.data.get("cluster")
         job = self._record(handle)
@@ -572,17 +574,31 @@ class SlurmBackend:
             return
         # --signal without --batch/--full signals the job steps only: the hosts, not the shell.
         _run(self._cmd("scancel", "--signal=TERM", job_id, cluster=cluster), check=False)
-        if not wait:
+        grace = float(grace_s if grace_s is not None else handle.data.get("grace_s", 120))
+        if wait or grace <= 0:
+            self.escalate(handle, grace)
             return
-        deadline = time.monotonic() + (
-            grace_s if grace_s is not None else handle.data.get("grace_s", 120)
-        )
+        # Detached (a new session, no terminal): it outlives `launch cancel` and its Ctrl-C.
+        subprocess.Popen(
+            [sys.executable, "-m", "launch.slurm", "escalate", json.dumps(handle.data), str(grace)],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                p for p in (_SOURCE_ROOT, os.environ.get("PYTHONPATH")) if p)},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def escalate(self, handle: Handle, grace_s: float) -> None:
+        """Wait up to `grace_s` for the job to end after its SIGTERM, then scancel it outright."""
+        deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             job = self._record(handle)
             if job is None or job.state not in PENDING | RUNNING:
                 return
             time.sleep(self.poll_s)
-        _run(self._cmd("scancel", job_id, cluster=cluster), check=False)
+        cmd = self._cmd("scancel", str(handle.data["job_id"]), cluster=handle.data.get("cluster"))
+        _run(cmd, check=False)
 
 
 def _last_batch_line(rd: RunDir) -> str:
@@ -631,3 +647,15 @@ class _LineReader:
             lines.append(self.partial)
             self.partial = b""
         return [ln.decode(errors="replace").rstrip("\r") for ln in lines]
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[0] != "escalate":
+        print("usage: python -m launch.slurm escalate HANDLE_JSON GRACE_S", file=sys.stderr)
+        return 2
+    SlurmBackend(poll_s=5.0).escalate(Handle("slurm", json.loads(argv[1])), float(argv[2]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -20,20 +20,18 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.backend import RESTARTABLE_EXIT_CODES
+from launch.backend import RESTARTABLE_EXIT_CODES, TERMINAL
 from launch.registry import read_json, utc_now, write_json_atomic
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "supervisor.json"
 CANCEL_FILE = "cancel-requested"  # written before the SIGTERM, so a cancel is never lost
 SUPERVISOR_LOG = "supervisor.log"
-TERMINAL = ("succeeded", "failed", "cancelled")
 COORDINATOR_PLACEHOLDER = "127.0.0.1:<free port chosen at each attempt>"
 ATTEMPT_PLACEHOLDER = "<attempt>"
 POLL_S = 0.1
@@ -286,7 +284,3 @@ class Supervisor:
 
 def supervise(run_dir: Path) -> int:
     return Supervisor(run_dir).run()
-
-
-if __name__ == "__main__":
-    sys.exit(supervise(Path(sys.argv[1])))

@@ -91,3 +91,19 @@ def test_good_spec_renders(run_files, tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
+
+
+def test_run_config_needs_no_run_id_of_its_own(run_files, tmp_path):
+    # The run id comes from the job spec (run_id, or a fresh one): no placeholder in the TOML.
+    cfg = tiny_config("unused/manifest.json", str(run_files / "runs"), run_id="x", mesh={"data": 2})
+    del cfg["run"]["id"]
+    write_config(tmp_path / "noid.toml", cfg)
+    job = tmp_path / "job.yaml"
+    job.write_text("name: ok\nrun_id: ok-given\nhosts: 2\nrun: noid.toml\n")
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    r = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "render", str(job)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert 'id = "ok-given"' in r.stdout

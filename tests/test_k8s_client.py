@@ -407,6 +407,7 @@ def test_logs_fall_back_to_the_runs_saved_logs(api, backend, tmp_path):
     # The JobSet is gone (404) and so are its pods.
     lines = list(backend.logs(handle(str(tmp_path)), host=None, follow=False, tail=1))
     assert lines == ["[host 0] last 0", "[host 1] last 1"]
+    assert list(backend.logs(handle(str(tmp_path)), host=None, follow=False, tail=0)) == []
     one = list(backend.logs(handle(str(tmp_path)), host=1, follow=True, tail=None))
     assert one == ["[host 1] first", "[host 1] last 1"]
     assert not [r for r in api.requests if r.path.endswith("/log")]

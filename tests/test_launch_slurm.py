@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,24 @@ def wait_state(state: Path, run_id: str, want: set[str], timeout: float = 300) -
         time.sleep(1.0)
 
 
-def test_submit_status_logs_on_slurm(tmp_path, prepared, slurm_cluster):
+@pytest.fixture
+def submitted(tmp_path) -> Iterator[Callable[[str], str]]:
+    """Records a `launch submit --json` run id; at teardown its job is scancelled outright, so an
+    assert that fails before a test's own cancel does not leave the job holding the node."""
+    state, run_ids = tmp_path / "state", []
+
+    def _record(stdout: str) -> str:
+        run_ids.append(json.loads(stdout)["run_id"])
+        return run_ids[-1]
+
+    yield _record
+    for run_id in run_ids:  # a job that has ended already is left as it is
+        record = state / "jaxjob" / "runs" / run_id / "record.json"
+        job_id = str(json.loads(record.read_text())["handle"]["job_id"])
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+
+
+def test_submit_status_logs_on_slurm(tmp_path, prepared, slurm_cluster, submitted):
     state = tmp_path / "state"
     sub = launch(
         state,
@@ -61,7 +79,7 @@ def test_submit_status_logs_on_slurm(tmp_path, prepared, slurm_cluster):
         "--json",
     )
     assert sub.returncode == 0, sub.stderr
-    run_id = json.loads(sub.stdout)["run_id"]
+    run_id = submitted(sub.stdout)
     info = wait_state(state, run_id, {"succeeded", "failed", "cancelled"})
     assert info["state"] == "succeeded", info
     logs = launch(state, "logs", run_id)
@@ -73,19 +91,19 @@ def test_submit_status_logs_on_slurm(tmp_path, prepared, slurm_cluster):
     assert [r["run_id"] for r in listed] == [run_id]
 
 
-def test_cancel_on_slurm_checkpoints_first(tmp_path, prepared, slurm_cluster):
+def test_cancel_on_slurm_checkpoints_first(tmp_path, prepared, slurm_cluster, submitted):
     state = tmp_path / "state"
     sub = launch(state, "submit", str(job_file(tmp_path, prepared, "sl-cancel", 100_000)), "--backend", "slurm",
                  "--json")  # fmt: skip
     assert sub.returncode == 0, sub.stderr
-    run_id = json.loads(sub.stdout)["run_id"]
+    run_id = submitted(sub.stdout)
     metrics = tmp_path / "runs" / run_id / "metrics/train.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         assert time.monotonic() < deadline, launch(state, "status", run_id).stdout
         time.sleep(0.5)
-    res = launch(state, "cancel", run_id, timeout=240)
-    assert res.returncode == 0, res.stderr
+    res = launch(state, "cancel", run_id, timeout=30)  # returns once SIGTERM is sent
+    assert res.returncode == 0 and "cancel sent" in res.stdout, res.stderr
     info = wait_state(state, run_id, {"cancelled", "failed", "succeeded"})
     assert info["state"] == "cancelled", info
     events = read_jsonl(tmp_path / "runs" / run_id / "events.jsonl")

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from jobspec.errors import JaxjobError
+from launch.backend import Handle, tail_lines
+from launch.local import LocalBackend
 from launch.registry import Registry, RunRecord, state_root, write_json_atomic
 from launch.runid import is_run_id, new_run_id
 
@@ -16,7 +18,7 @@ from launch.runid import is_run_id, new_run_id
 def rec(run_id: str, submitted: str, backend: str = "local", **handle) -> RunRecord:
     return RunRecord(
         run_id=run_id, backend=backend, handle=handle or {"pid": 1}, output_uri="/out",
-        submitted=submitted, job_path="/jobs/job.yaml", name=run_id.rsplit("-", 1)[0],
+        submitted=submitted, job_path="/jobs/job.yaml",
     )  # fmt: skip
 
 
@@ -111,3 +113,21 @@ def test_run_ids_are_dns_labels():
     assert len(long) == 47 and is_run_id(long)
     assert len(new_run_id("b" * 70)) <= 63
     assert not is_run_id("Bad_Id") and not is_run_id("x" * 64)
+
+
+def test_tail_is_the_last_k_lines_and_zero_is_none(tmp_path):
+    assert tail_lines(["a", "b", "c"], None) == ["a", "b", "c"]
+    assert tail_lines(["a", "b", "c"], 2) == ["b", "c"]
+    assert tail_lines(["a", "b", "c"], 5) == ["a", "b", "c"]
+    assert tail_lines(["a", "b", "c"], 0) == []
+    # The local backend: the last K lines of each host, over its attempts.
+    for attempt, text in ((0, "a\nb\n"), (1, "c\nd\n")):
+        for i in (0, 1):
+            f = tmp_path / "logs" / f"attempt-{attempt}" / f"host-{i}.log"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(text.replace("\n", f"{i}\n"))
+    backend, h = LocalBackend(Registry(tmp_path)), Handle("local", {"run_dir": str(tmp_path)})
+    logs = list(backend.logs(h, host=None, follow=False, tail=3))
+    assert logs == ["[host 0] b0", "[host 1] b1", "[host 0] c0", "[host 0] d0", "[host 1] c1",
+                    "[host 1] d1"]  # fmt: skip
+    assert list(backend.logs(h, host=None, follow=False, tail=0)) == []

@@ -6,6 +6,7 @@ batch shell's verdict over the hosts' exit codes, and status/logs from scontrol 
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -30,7 +31,9 @@ WORKDIR = Path("/home/ada/jobs")
 def _from_file(name: str, run_id: str) -> Submission:
     job = load_job(SPECS / name)
     run, toml = run_with_id(job, run_id)
-    return Submission(job.spec, run_id, toml, job.spec_yaml, run.run.output_uri, WORKDIR)
+    # As prepare_submission hands it over: a relative output_uri resolved where launch runs.
+    output_uri = str(WORKDIR / run.run.output_uri)  # WORKDIR / "/abs" is "/abs"
+    return Submission(job.spec, run_id, toml, job.spec_yaml, output_uri, WORKDIR)
 
 
 def _from_dict(**doc) -> Submission:
@@ -259,6 +262,7 @@ def test_logs_prefix_tail_and_follow(tmp_path, monkeypatch):
     assert list(backend.logs(h)) == ["[host 0] a", "[host 0] b", "[host 0] c", "[host 1] x",
                                      "[host 1] y"]  # fmt: skip
     assert list(backend.logs(h, host=0, tail=2)) == ["[host 0] b", "[host 0] c"]
+    assert list(backend.logs(h, tail=0)) == []  # --tail 0: no lines, as kubectl and tail(1)
 
     states = iter(["RUNNING", "RUNNING", "COMPLETED"])
     texts = iter([SCONTROL.format(state=s, reason="None", restarts=0, code=0) for s in states])
@@ -272,3 +276,47 @@ def test_logs_prefix_tail_and_follow(tmp_path, monkeypatch):
             with (tmp_path / "logs" / "host-1.log").open("a") as f:
                 f.write("z\nlast")
     assert lines == ["[host 1] x", "[host 1] yz", "[host 1] last"]
+
+
+def test_cancel_sends_term_and_leaves_the_escalation_to_a_detached_process(tmp_path, monkeypatch):
+    h = _handle(tmp_path)
+    h.data["grace_s"] = 60
+    calls: list[list[str]] = []
+
+    def run(cmd, *, check=True, timeout=60):
+        calls.append(cmd)
+        text = SCONTROL.format(state="RUNNING", reason="None", restarts=0, code=0)
+        return subprocess.CompletedProcess(cmd, 0, text if cmd[0] == "scontrol" else "", "")
+
+    spawned: list[dict] = []
+
+    class Popen:
+        def __init__(self, cmd, **kw):
+            spawned.append({"cmd": cmd, **kw})
+
+    monkeypatch.setattr(slurm, "_run", run)
+    monkeypatch.setattr(slurm.subprocess, "Popen", Popen)
+    SlurmBackend().cancel(h)  # `launch cancel` without --wait: returns at once
+    assert [c[0] for c in calls] == ["scontrol", "scancel"] and calls[1][1] == "--signal=TERM"
+    assert (tmp_path / slurm.CANCEL_MARK).exists()
+    (p,) = spawned
+    assert p["cmd"][2:4] == ["launch.slurm", "escalate"] and p["cmd"][-1] == "60.0"
+    assert p["start_new_session"] and json.loads(p["cmd"][4])["job_id"] == "7"
+
+    # The detached process (or wait=True): the job outlives the grace, so it is scancelled.
+    calls.clear()
+    SlurmBackend(poll_s=0.01).escalate(h, 0.05)
+    assert calls[-1] == ["scancel", "7"] and len(spawned) == 1
+
+
+def test_cancel_without_grace_scancels_at_once(tmp_path, monkeypatch):
+    calls: list[list[str]] = []
+
+    def run(cmd, *, check=True, timeout=60):
+        calls.append(cmd)
+        text = SCONTROL.format(state="RUNNING", reason="None", restarts=0, code=0)
+        return subprocess.CompletedProcess(cmd, 0, text if cmd[0] == "scontrol" else "", "")
+
+    monkeypatch.setattr(slurm, "_run", run)
+    SlurmBackend().cancel(_handle(tmp_path), grace_s=0)
+    assert calls[-2:] == [["scancel", "--signal=TERM", "7"], ["scancel", "7"]]

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jobspec.catalogue import Accelerator, lookup
 from jobspec.errors import ConfigError
-from jobspec.run_config import RUN_ID_RE, RunConfig
+from jobspec.run_config import RunConfig, check_dns_label
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Names whose literal values would put a credential into the spec (and the rendered manifests).
@@ -107,19 +107,12 @@ class JobSpec(Spec):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if len(v) > 40 or not RUN_ID_RE.match(v):
-            raise ValueError(
-                f"{v!r} is not a DNS-1123 label of at most 40 characters (lowercase letters, digits, "
-                "'-', starting and ending with a letter or digit)"
-            )
-        return v
+        return check_dns_label(v, "", max_len=40)
 
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, v: str | None) -> str | None:
-        if v is not None and not RUN_ID_RE.match(v):  # a DNS-1123 label, at most 63
-            raise ValueError(f"{v!r} is not a DNS-1123 label (lowercase letters, digits, '-')")
-        return v
+        return None if v is None else check_dns_label(v, "")
 
     @field_validator("env")
     @classmethod

@@ -18,6 +18,17 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 RUN_ID_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
+def check_dns_label(value: str, what: str, max_len: int = 63) -> str:
+    """`value` if it is a DNS-1123 label of at most max_len characters, else the one error
+    every run id, job name and JAXJOB_RUN_ID gives (`what` names the field)."""
+    if len(value) > max_len or not RUN_ID_RE.match(value):
+        raise ValueError(
+            f"{what}{value!r} is not a DNS-1123 label: use 1-{max_len} lowercase letters, digits or "
+            "'-', starting and ending with a letter or digit"
+        )
+    return value
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -36,11 +47,7 @@ class RunSection(Section):
 
     @model_validator(mode="after")
     def _check_id(self) -> RunSection:
-        if not RUN_ID_RE.match(self.id):
-            raise ValueError(
-                f"run id {self.id!r} is not a DNS-1123 label: use 1-63 lowercase letters, digits or '-', "
-                "starting and ending with a letter or digit"
-            )
+        check_dns_label(self.id, "run id ")
         return self
 
 

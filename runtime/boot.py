@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.exit_codes import EXIT_CLUSTER_TIMEOUT
-from jobspec.run_config import RUN_ID_RE
+from jobspec.run_config import check_dns_label
 from runtime import hostlog
 
 # JAX's own init deadline is ours plus this, so our sentence always comes before its abort.
@@ -84,12 +84,7 @@ class BootContract(BaseModel):
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, v: str | None) -> str | None:
-        if v is not None and not RUN_ID_RE.match(v):
-            raise ValueError(
-                f"JAXJOB_RUN_ID={v!r} is not a DNS-1123 label; use 1-63 lowercase letters, "
-                "digits or '-', starting and ending with a letter or digit"
-            )
-        return v
+        return None if v is None else check_dns_label(v, "JAXJOB_RUN_ID=")
 
     @field_validator("coordinator")
     @classmethod

@@ -34,10 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_overhead,
 from step_overhead import baseline_step, runtime_step, time_steps  # noqa: E402
 
 from jobspec.load import parse_run_config  # noqa: E402
-from runtime.artifacts import device_peak  # noqa: E402
-from runtime.flops import flops_per_token  # noqa: E402
-from runtime.session import build_model  # noqa: E402
-from runtime.sharding import build_mesh  # noqa: E402
+from runtime.model.build import build_model  # noqa: E402
+from runtime.model.flops import flops_per_token  # noqa: E402
+from runtime.model.sharding import build_mesh  # noqa: E402
+from runtime.run.artifacts import device_peak  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     # Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 q / 8 kv heads of 128, SwiGLU 3072, tied).

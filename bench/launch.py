@@ -120,7 +120,7 @@ def submit_bench(tmp: Path, manifest: str | None, timeout: float = 600) -> dict[
     if manifest is None:
         data = tmp / "data"
         subprocess.run(
-            [sys.executable, "-m", "runtime.cli", "data", "prepare", "--input",
+            [sys.executable, "-m", "runtime", "data", "prepare", "--input",
              "{stdlib}/json/*.py", "--out", str(data), "--val-fraction", "0.1"],
             cwd=ROOT, check=True, capture_output=True,
         )  # fmt: skip

@@ -21,11 +21,12 @@ import optax
 from flax import nnx
 
 from jobspec.load import load_run_config
-from runtime.loss import cross_entropy_sums
-from runtime.optim import build_optimizer
-from runtime.session import build_model, opt_state_shardings
-from runtime.sharding import batch_sharding, build_mesh, replicated
-from runtime.train_step import make_train_step
+from runtime.model.build import build_model
+from runtime.model.sharding import batch_sharding, build_mesh, replicated
+from runtime.train.loss import cross_entropy_sums
+from runtime.train.optim import build_optimizer
+from runtime.train.state import opt_state_shardings
+from runtime.train.step import make_train_step
 
 
 def random_batch(cfg, accum: int, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -311,7 +311,7 @@ def summarise(
 
 def status_without_jobset(d: dict[str, Any]) -> dict[str, Any]:
     """The JobSet is gone (cancelled or past its TTL): the run's own summary says how it ended."""
-    from runtime.storage import join, url_to_fs
+    from jobspec.storage import join, url_to_fs
 
     gone = (
         f"JobSet {d['namespace']}/{d['jobset']} no longer exists (deleted, or removed by its TTL)"
@@ -336,8 +336,8 @@ def saved_logs(
 ) -> Iterator[str]:
     """Lines of the latest attempt's host logs that every runtime host tees to
     `<output_uri>/<run_id>/logs/attempt-<n>/host-<i>.log`."""
+    from jobspec.storage import join, url_to_fs
     from k8s.client import K8sError
-    from runtime.storage import join, url_to_fs
 
     root = join(output_uri, run_id, "logs")
     fs, path = url_to_fs(root)

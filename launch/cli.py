@@ -22,10 +22,10 @@ from jobspec.cli import run_group
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.job_spec import JobSpec, check_mesh_fits
 from jobspec.load_job import job_schema, load_job
+from jobspec.storage import is_remote
 from launch.backend import TERMINAL, Backend, Submission
 from launch.registry import Registry, RunRecord, utc_now
 from launch.runid import new_run_id
-from runtime.storage import is_remote
 
 EXIT_RUN_FAILED = 1  # `--wait`: the run ended failed or cancelled
 

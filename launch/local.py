@@ -83,7 +83,7 @@ def host_plan(sub: Submission, run_dir: Path) -> dict[str, Any]:
         "PYTHONUNBUFFERED": "1",  # lines reach the log files as they are printed
         "PYTHONPATH": pythonpath,
     }
-    command = [sys.executable, "-m", "runtime.cli", "worker", str(run_dir / "cfg.toml")]
+    command = [sys.executable, "-m", "runtime", "worker", str(run_dir / "cfg.toml")]
     return {
         "run_id": sub.run_id,
         "cwd": str(Path.cwd()),  # relative paths in the run config resolve here

@@ -34,7 +34,7 @@ def _last_row(fs: Any, path: str) -> dict[str, Any] | None:
 
 def read_progress(run_uri: str) -> dict[str, Any]:
     """{"status", "step", "total_steps", "last_loss", "last_event"}; {"error": …} when unreadable."""
-    from runtime.storage import join, url_to_fs
+    from jobspec.storage import join, url_to_fs
 
     try:
         fs, root = url_to_fs(run_uri)

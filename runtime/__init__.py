@@ -1,1 +1,2 @@
-"""What runs on every host: boot, data, model, train, checkpoint, artifacts."""
+"""What runs on every host: host/ (boot, writer), data/, model/, train/, run/ (store, checkpoints,
+artifacts), hf/ (safetensors interop) and commands/ (the `runtime` CLI)."""

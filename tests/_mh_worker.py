@@ -17,9 +17,9 @@ import sys
 import time
 
 from jobspec.errors import JaxjobError
-from runtime import boot
-from runtime.coordination import HostWatchdog, StopAgreement
-from runtime.writer import elect_writer, writer_key
+from runtime.host import boot
+from runtime.host.coordination import HostWatchdog, StopAgreement
+from runtime.host.writer import elect_writer, writer_key
 
 
 def emit(kind: str, **data: object) -> None:

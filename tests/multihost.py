@@ -197,7 +197,7 @@ class Hosts:
 
 
 def command_for(
-    args: Sequence[str], module: str | None = "runtime.cli", script: str | None = None
+    args: Sequence[str], module: str | None = "runtime", script: str | None = None
 ) -> list[str]:
     if script is not None:
         return [sys.executable, str(script), *args]
@@ -210,7 +210,7 @@ def start_hosts(
     devices_per_process: int,
     env: Mapping[str, str] | None = None,
     *,
-    module: str | None = "runtime.cli",
+    module: str | None = "runtime",
     script: str | os.PathLike[str] | None = None,
     cwd: str | os.PathLike[str] = REPO,
     per_host_env: Sequence[Mapping[str, str]] | None = None,
@@ -236,7 +236,7 @@ def run_hosts(
     timeout: float = 300,
     cwd: str | os.PathLike[str] = REPO,
     *,
-    module: str | None = "runtime.cli",
+    module: str | None = "runtime",
     script: str | os.PathLike[str] | None = None,
     per_host_env: Sequence[Mapping[str, str]] | None = None,
 ) -> list[HostResult]:

@@ -71,7 +71,7 @@ def run_cli(
     """The `runtime` CLI in a subprocess, exactly as a user runs it."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "runtime.cli", *args],
+        [sys.executable, "-m", "runtime", *args],
         cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 

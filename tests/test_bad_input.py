@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cli import main
+from runtime.commands.cli import main
 
 from runs import run_cli, tiny_config, write_config
 
@@ -39,7 +39,7 @@ def world(tmp_path_factory, prepared, corpus_dir):
     """A finished 2-step run to resume from, a second data set, and a tokenizer.json data set."""
     from jobspec.load import parse_run_config
     from runtime.data.prepare import prepare_dataset
-    from runtime.train import train
+    from runtime.train.loop import train
 
     root = tmp_path_factory.mktemp("bad")
     base = tiny_config(

@@ -13,9 +13,9 @@ import pytest
 from multihost import REPO, HostResult, free_port, host_env, run_hosts, start_hosts
 
 from jobspec.errors import ConfigError
-from runtime import boot
-from runtime.boot import EXIT_CLUSTER_TIMEOUT, BootContract, detect_cluster
-from runtime.coordination import EXIT_HOST_LOST
+from runtime.host import boot
+from runtime.host.boot import EXIT_CLUSTER_TIMEOUT, BootContract, detect_cluster
+from runtime.host.coordination import EXIT_HOST_LOST
 
 WORKER = REPO / "tests" / "_mh_worker.py"
 
@@ -97,7 +97,7 @@ def test_single_process_boot() -> None:
     try:
         assert (info.mode, info.process_count, info.process_index) == ("single-process", 1, 0)
         assert info.coordinator is None and info.run_id == "solo"
-        from runtime.writer import elect_writer
+        from runtime.host.writer import elect_writer
 
         assert elect_writer(0) == 0 and info.writer_election == "single-process"
     finally:

@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jobspec.errors import CheckpointError
-from runtime.checkpoint import INDEX, CheckpointService, load_index
-from runtime.store import ArtifactStore
+from runtime.run.checkpoint import INDEX, CheckpointService, load_index
+from runtime.run.store import ArtifactStore
 
 FINGERPRINT = {"model.hidden_size": 8, "data.manifest": "abc"}
 

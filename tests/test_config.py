@@ -12,10 +12,10 @@ from jobspec.accelerators import peak_bf16_flops
 from jobspec.docs import readme_block
 from jobspec.load import load_run_config, parse_run_config, to_toml
 from jobspec.run_config import ModelConfig
-from runtime.cli import _overrides
-from runtime.compat import fingerprint
-from runtime.flops import flops_per_token, parameter_counts
-from runtime.model import Decoder
+from runtime.commands.cli import _overrides
+from runtime.model.flops import flops_per_token, parameter_counts
+from runtime.model.qwen3 import Decoder
+from runtime.run.compat import fingerprint
 
 from runs import ROOT
 

@@ -18,16 +18,11 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.load import parse_run_config  # noqa: E402
-from runtime.hf.io import (  # noqa: E402
-    INDEX,
-    SINGLE,
-    import_to_run,
-    model_config_from_hf,
-    read_safetensors,
-    write_hf,
-)
-from runtime.session import build_model  # noqa: E402
-from runtime.sharding import build_mesh  # noqa: E402
+from runtime.commands.hf import import_to_run  # noqa: E402
+from runtime.hf.convert import model_config_from_hf, write_hf  # noqa: E402
+from runtime.hf.files import INDEX, SINGLE, read_safetensors  # noqa: E402
+from runtime.model.build import build_model  # noqa: E402
+from runtime.model.sharding import build_mesh  # noqa: E402
 
 from runs import run_cli, tiny_config, write_config  # noqa: E402
 
@@ -197,8 +192,8 @@ def test_init_from_fills_model_keys_and_toml_wins(tmp_path):
 
 
 def test_finetune_from_hf_then_export(tmp_path, prepared):
-    from runtime.offline import _restore
-    from runtime.train import train
+    from runtime.commands.offline import _restore
+    from runtime.train.loop import train
 
     src = _hf_model(tmp_path / "hf", tied=False, vocab=260, max_position_embeddings=64)
     raw = tiny_config(
@@ -232,7 +227,7 @@ def test_finetune_from_hf_then_export(tmp_path, prepared):
 
 def test_import_with_config_then_resume(tmp_path, prepared):
     from jobspec.load import load_run_config
-    from runtime.train import train
+    from runtime.train.loop import train
 
     src = _hf_model(tmp_path / "hf", tied=True, vocab=260, max_position_embeddings=64)
     raw = tiny_config(

@@ -148,7 +148,7 @@ def test_cpu_pods_form_one_cluster_and_finish(tmp_path, prepared):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     shim = bin_dir / "runtime"
-    shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m runtime.cli "$@"\n')
+    shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m runtime "$@"\n')
     shim.chmod(0o755)
 
     c = the_container(m.jobset)

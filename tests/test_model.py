@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from jobspec.run_config import ModelConfig
-from runtime.model import LOGICAL_AXES, Decoder, param_count
+from runtime.model.qwen3 import LOGICAL_AXES, Decoder, param_count
 
 TINY: dict[str, Any] = dict(
     vocab_size=97,

@@ -14,11 +14,11 @@ import pytest
 from flax import nnx
 
 from jobspec.run_config import ModelConfig
-from runtime.flops import flops_per_token
-from runtime.model import LOGICAL_AXES, Decoder, param_count
-from runtime.moe import RouterBias, SparseMoE, update_router_bias
-from runtime.sharding import LOGICAL_RULES
-from runtime.train_step import make_train_step
+from runtime.model.flops import flops_per_token
+from runtime.model.moe import RouterBias, SparseMoE, update_router_bias
+from runtime.model.qwen3 import LOGICAL_AXES, Decoder, param_count
+from runtime.model.sharding import LOGICAL_RULES
+from runtime.train.step import make_train_step
 
 
 def moe_cfg(**overrides: Any) -> ModelConfig:

@@ -12,11 +12,12 @@ import pytest
 from flax import nnx
 
 from jobspec.run_config import MeshConfig, ModelConfig
-from runtime.cli import main
-from runtime.loss import clipped_pg_sums, cross_entropy_sums, token_logprobs
-from runtime.session import build_model, opt_state_shardings
-from runtime.sharding import build_mesh, replicated
-from runtime.train_step import make_train_step
+from runtime.commands.cli import main
+from runtime.model.build import build_model
+from runtime.model.sharding import build_mesh, replicated
+from runtime.train.loss import clipped_pg_sums, cross_entropy_sums, token_logprobs
+from runtime.train.state import opt_state_shardings
+from runtime.train.step import make_train_step
 
 from runs import tiny_config, write_config
 

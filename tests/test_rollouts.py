@@ -13,15 +13,15 @@ from flax import nnx
 from jobspec.errors import ConfigError, DataError
 from jobspec.load import parse_run_config
 from jobspec.run_config import MeshConfig
+from runtime.commands.offline import _restore, eval_checkpoint
 from runtime.data.manifest import load_manifest
 from runtime.data.pipeline import OBJECTIVE_FIELDS, TokenBatches, check_objective
 from runtime.data.prepare import prepare_dataset
-from runtime.loss import token_logprobs
-from runtime.offline import _restore, eval_checkpoint
-from runtime.session import build_model
-from runtime.sharding import build_mesh
-from runtime.train import train
-from runtime.train_step import PG_BATCH_KEYS
+from runtime.model.build import build_model
+from runtime.model.sharding import build_mesh
+from runtime.train.loop import train
+from runtime.train.loss import token_logprobs
+from runtime.train.step import PG_BATCH_KEYS
 
 from runs import read_jsonl, run_cli, tiny_config, write_config
 

@@ -13,8 +13,8 @@ from flax import nnx
 
 from jobspec.errors import ConfigError
 from jobspec.run_config import ModelConfig
-from runtime.model import Decoder, KVCache
-from runtime.sample import _generate_jit, generate
+from runtime.model.generate import _generate_jit, generate
+from runtime.model.qwen3 import Decoder, KVCache
 
 TINY: dict[str, Any] = dict(
     vocab_size=97,

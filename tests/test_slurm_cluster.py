@@ -54,7 +54,7 @@ def backend(slurm_cluster) -> SlurmBackend:
         pytest.skip(f"the SLURM node has {slurm_cluster.cpus} CPU(s); two hosts need 2")
     # The tests' own interpreter, so the job runs the jaxjob under test whatever PATH says.
     return SlurmBackend(
-        hosts_per_node=2, runtime_command=(sys.executable, "-m", "runtime.cli"), poll_s=0.5
+        hosts_per_node=2, runtime_command=(sys.executable, "-m", "runtime"), poll_s=0.5
     )
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jobspec.errors import StorageError
-from runtime.store import ArtifactStore, NotWriterError
+from runtime.run.store import ArtifactStore, NotWriterError
 
 
 def files_under(root: str) -> list[str]:

@@ -18,15 +18,15 @@ from flax import nnx
 
 from jobspec.load import parse_run_config
 from jobspec.run_config import MeshConfig, ModelConfig
+from runtime.commands.offline import _restore, eval_checkpoint, sample_checkpoint
 from runtime.data.manifest import load_manifest
 from runtime.data.pipeline import TokenBatches
-from runtime.loss import cross_entropy_sums
-from runtime.model import Decoder
-from runtime.offline import _restore, eval_checkpoint, sample_checkpoint
-from runtime.session import build_model
-from runtime.sharding import batch_sharding, build_mesh
-from runtime.train import EXIT_RESTARTABLE, train
-from runtime.train_step import make_train_step
+from runtime.model.build import build_model
+from runtime.model.qwen3 import Decoder
+from runtime.model.sharding import batch_sharding, build_mesh
+from runtime.train.loop import EXIT_RESTARTABLE, train
+from runtime.train.loss import cross_entropy_sums
+from runtime.train.step import make_train_step
 
 from runs import ROOT, read_jsonl, run_cli, tiny_config, write_config
 
@@ -192,7 +192,7 @@ def test_sigterm_checkpoints_and_resumes(tmp_path, prepared):
     cfg = tiny_config(prepared, str(tmp_path), run_id="sig",
                       training={"target_tokens": 16 * 8 * 100000})  # fmt: skip
     path = write_config(tmp_path / "sig.toml", cfg)
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "local", str(path)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "runtime", "local", str(path)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     metrics = tmp_path / "sig/metrics/train.jsonl"
     deadline = time.monotonic() + 120

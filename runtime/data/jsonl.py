@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jobspec.errors import DataError
-from runtime.storage import url_to_fs
+from jobspec.storage import url_to_fs
 
 
 def json_objects(uri: str) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -42,7 +42,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from jobspec.errors import DataError
-from runtime.storage import is_remote, join, url_to_fs
+from jobspec.storage import is_remote, join, url_to_fs
 
 FORMAT = "jaxjob.tokens"
 VERSION = 1

@@ -71,9 +71,9 @@ import numpy as np
 
 from jobspec.errors import ConfigError, DataError
 from jobspec.run_config import DataConfig, TrainingConfig
+from jobspec.storage import is_remote, url_to_fs
 from runtime.data.manifest import PG_FIELDS, Manifest, read_offsets
 from runtime.data.tokenizer import tokenizer_id_for
-from runtime.storage import is_remote, url_to_fs
 
 Order = Literal["sequential", "shuffle", "document_buffer"]
 ORDERS = ("sequential", "shuffle", "document_buffer")

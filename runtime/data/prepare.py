@@ -34,9 +34,13 @@ from array import array
 from collections.abc import Iterator
 from typing import Literal
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jobspec.errors import DataError
+from jobspec.run_config import DataConfig
+from jobspec.storage import is_remote, join, url_to_fs
 from runtime.data.jsonl import json_objects
 from runtime.data.manifest import (
     FIELD_DTYPES,
@@ -49,12 +53,12 @@ from runtime.data.manifest import (
     Splits,
     TokenizerInfo,
     compute_fingerprint,
+    load_manifest,
     token_dtype_for,
     write_manifest,
 )
 from runtime.data.rollouts import Rollout, read_rollouts, rollout_fields
 from runtime.data.tokenizer import Tokenizer, load_tokenizer
-from runtime.storage import is_remote, join, url_to_fs
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 128 MiB of uint16 per shard: few files, cheap range reads
 ENCODE_BATCH = 256  # documents per tokenizer call (the HF tokenizer parallelises a batch)
@@ -317,3 +321,26 @@ def prepare_dataset(
     manifest = draft.model_copy(update={"fingerprint": compute_fingerprint(draft)})
     write_manifest(manifest, join(out, "manifest.json"))
     return manifest.with_root(out.rstrip("/") or out)
+
+
+def ensure_manifest(cfg: DataConfig, *, is_writer: bool = True) -> Manifest:
+    """Load the manifest; make it first when it is absent and `[data.prepare]` says how.
+
+    Only the writer prepares; the other hosts wait for it at a barrier, so a multi-host job
+    prepares once (on storage every host reads: a shared path or gs://).
+    """
+    if cfg.prepare is not None:
+        fs, path = url_to_fs(cfg.manifest)
+        if is_writer and not fs.exists(path):
+            out_dir = os.path.dirname(cfg.manifest.rstrip("/")) or "."
+            prepare_dataset(
+                cfg.prepare.inputs,
+                cfg.prepare.tokenizer,
+                out_dir,
+                val_fraction=cfg.prepare.val_fraction,
+                max_bytes=cfg.prepare.max_bytes,
+                format=cfg.prepare.format,
+            )
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxjob:data-prepared")
+    return load_manifest(cfg.manifest)

@@ -1,1 +1,2 @@
-"""Hugging Face interop: parameter name maps (`names`) and safetensors import/export (`io`)."""
+"""Hugging Face interop: safetensors files (`files`), parameter name maps (`names`) and
+parameter <-> HF tensor conversion (`convert`). No commands, no restore."""

@@ -6,24 +6,16 @@ abstractly first, so parameters are created directly with their mesh shardings (
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
-import optax
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from jobspec.errors import CheckpointError
-from jobspec.run_config import DataConfig, ModelConfig
-from runtime.data.manifest import Manifest, load_manifest
-from runtime.data.prepare import prepare_dataset
-from runtime.model import Decoder
-from runtime.sharding import mesh_spec, replicated
-from runtime.storage import url_to_fs
+from jobspec.run_config import ModelConfig
+from runtime.model.qwen3 import Decoder
+from runtime.model.sharding import mesh_spec, replicated
 
 
 @dataclass(frozen=True)
@@ -34,29 +26,6 @@ class ModelParts:
     params: Any  # nnx.State of parameters, laid out on the mesh
     others: tuple  # non-parameter state (e.g. RoPE tables), replicated
     param_shardings: Any
-
-
-def ensure_manifest(cfg: DataConfig, *, is_writer: bool = True) -> Manifest:
-    """Load the manifest; make it first when it is absent and `[data.prepare]` says how.
-
-    Only the writer prepares; the other hosts wait for it at a barrier, so a multi-host job
-    prepares once (on storage every host reads: a shared path or gs://).
-    """
-    if cfg.prepare is not None:
-        fs, path = url_to_fs(cfg.manifest)
-        if is_writer and not fs.exists(path):
-            out_dir = os.path.dirname(cfg.manifest.rstrip("/")) or "."
-            prepare_dataset(
-                cfg.prepare.inputs,
-                cfg.prepare.tokenizer,
-                out_dir,
-                val_fraction=cfg.prepare.val_fraction,
-                max_bytes=cfg.prepare.max_bytes,
-                format=cfg.prepare.format,
-            )
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("jaxjob:data-prepared")
-    return load_manifest(cfg.manifest)
 
 
 def _abstract_model(cfg: ModelConfig, seed: int) -> nnx.Module:
@@ -90,7 +59,7 @@ def build_model(cfg: ModelConfig, seed: int, mesh: Mesh, *, materialise: bool = 
     if materialise and cfg.init_from:
         # `model.init_from = "hf:PATH"`: the HF weights are the initial parameters.
         from jobspec.hf_config import hf_dir
-        from runtime.hf.io import load_hf_params, place_params
+        from runtime.hf.convert import load_hf_params, place_params
 
         flat = load_hf_params(hf_dir(cfg.init_from), cfg)
         params = place_params(flat, abs_params, p_sh)
@@ -104,32 +73,3 @@ def build_model(cfg: ModelConfig, seed: int, mesh: Mesh, *, materialise: bool = 
         # XLA drops the unused parameter initialisers, so this only computes the constants.
         others = jax.jit(lambda: init()[1], out_shardings=o_sh)()
     return ModelParts(graphdef=graphdef, params=params, others=(others,), param_shardings=p_sh)
-
-
-def opt_state_shardings(
-    tx: optax.GradientTransformation, params: Any, p_sh: Any, mesh: Mesh
-) -> Any:
-    """Optimizer moments take their parameter's sharding (FSDP shards them too); scalars replicate."""
-    abstract = jax.eval_shape(tx.init, params)
-    return optax.tree_map_params(
-        tx,
-        lambda _, s: s,
-        abstract,
-        p_sh,
-        transform_non_params=lambda _: replicated(mesh),
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-
-
-def others_from_saved(reference: tuple, saved: list, sharding) -> tuple:
-    """The checkpointed router biases (meta["router_bias"]), in the model's non-Param state
-    layout: what training moved must also be what eval, sample and resume route with."""
-    leaves, treedef = jax.tree.flatten(reference)
-    if len(leaves) != len(saved):
-        raise CheckpointError(
-            f"the checkpoint holds {len(saved)} router-bias arrays but this model has {len(leaves)}; "
-            "resume with the model the checkpoint was made with"
-        )
-    arrays = [jax.device_put(np.asarray(v, dtype=ref.dtype).reshape(ref.shape), sharding)
-              for ref, v in zip(leaves, saved, strict=True)]  # fmt: skip
-    return jax.tree.unflatten(treedef, arrays)

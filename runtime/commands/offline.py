@@ -14,16 +14,17 @@ from jax.sharding import Mesh
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.load import parse_run_config
 from jobspec.run_config import EvalConfig, RunConfig
-from runtime.artifacts import now
-from runtime.checkpoint import CheckpointService
 from runtime.data.manifest import load_manifest
 from runtime.data.tokenizer import load_tokenizer
-from runtime.evaluate import Evaluator
-from runtime.inspect import open_run
-from runtime.sample import generate
-from runtime.session import ModelParts, build_model, others_from_saved
-from runtime.sharding import offline_mesh, replicated
-from runtime.store import ArtifactStore
+from runtime.model.build import ModelParts, build_model
+from runtime.model.generate import generate
+from runtime.model.sharding import offline_mesh, replicated
+from runtime.run.artifacts import now
+from runtime.run.checkpoint import CheckpointService
+from runtime.run.inspect import open_run
+from runtime.run.store import ArtifactStore
+from runtime.train.evaluate import Evaluator
+from runtime.train.state import others_from_saved
 
 
 def _restore(run: str, selector: str) -> tuple[ArtifactStore, RunConfig, int, ModelParts, Mesh]:

@@ -12,7 +12,7 @@ afresh. A single process is the writer without any service.
 from __future__ import annotations
 
 from jobspec.errors import JaxjobError
-from runtime import boot
+from runtime.host import boot
 
 
 def writer_key(run_id: str, attempt: int) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from jobspec.errors import StorageError
-from runtime.artifacts import EVAL_METRICS, EVENTS, TRAIN_METRICS
-from runtime.storage import configure_gcs_env
-from runtime.store import ArtifactStore
+from jobspec.storage import configure_gcs_env
+from runtime.run.artifacts import EVAL_METRICS, EVENTS, TRAIN_METRICS
+from runtime.run.store import ArtifactStore
 
 
 def open_run(run: str) -> ArtifactStore:

@@ -39,35 +39,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jobspec.run_config import ModelConfig
+from runtime.model.layers import dtype_of, normal_param
 
 
 class RouterBias(nnx.Variable):
     """Per-expert selection bias. Not an nnx.Param: `nnx.split(model, nnx.Param, ...)` puts it in
     the non-Param state, so gradients and the optimizer never touch it."""
-
-
-_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def dtype_of(name: str) -> Any:
-    """The jnp dtype for a config dtype name ("float32" | "bfloat16")."""
-    return _DTYPES[name]
-
-
-def normal_param(
-    rngs: nnx.Rngs,
-    shape: tuple[int, ...],
-    names: tuple[str, ...],
-    std: float,
-    param_dtype: Any,
-    eager_sharding: bool,
-) -> nnx.Param:
-    """A plain (not truncated) normal `nnx.Param`, like HF's `_init_weights`, with logical axis
-    `names`. Drawn in fp32 and then cast, so a bf16-stored model holds the rounded values of the
-    fp32 model with the same seed. (Here rather than in runtime.model, which imports this module.)
-    """
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value.astype(param_dtype), out_sharding=names, eager_sharding=eager_sharding)
 
 
 class Router(nnx.Module):

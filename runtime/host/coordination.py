@@ -33,7 +33,7 @@ from types import FrameType
 from typing import Any
 
 from jobspec.exit_codes import EXIT_HOST_LOST
-from runtime import boot, hostlog
+from runtime.host import boot, hostlog
 
 
 def _world() -> tuple[int, int]:

@@ -14,7 +14,7 @@ import posixpath
 from typing import Any
 
 from jobspec.errors import StorageError
-from runtime.storage import is_remote, join, url_to_fs
+from jobspec.storage import is_remote, join, url_to_fs
 
 
 class NotWriterError(RuntimeError):

@@ -18,10 +18,10 @@ import numpy as np
 from jobspec.accelerators import peak_bf16_flops
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
-from runtime import boot
-from runtime.flops import flops_per_token, parameter_counts
-from runtime.metrics import Throughput, live_line
-from runtime.store import ArtifactStore
+from runtime.host import boot
+from runtime.model.flops import flops_per_token, parameter_counts
+from runtime.run.store import ArtifactStore
+from runtime.train.metrics import Throughput, live_line
 
 TRAIN_METRICS = "metrics/train.jsonl"
 EVAL_METRICS = "metrics/eval.jsonl"

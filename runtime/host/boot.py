@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.exit_codes import EXIT_CLUSTER_TIMEOUT
 from jobspec.run_config import check_dns_label
-from runtime import hostlog
+from runtime.host import hostlog
 
 # JAX's own init deadline is ours plus this, so our sentence always comes before its abort.
 _JAX_TIMEOUT_MARGIN_S = 10

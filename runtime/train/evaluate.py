@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 
 from jobspec.run_config import RunConfig
-from runtime.artifacts import now
 from runtime.data.pipeline import TokenBatches, eval_loader
-from runtime.metrics import eval_line
-from runtime.sharding import batch_sharding, replicated
-from runtime.train_step import make_eval_step
+from runtime.model.sharding import batch_sharding, replicated
+from runtime.run.artifacts import now
+from runtime.train.metrics import eval_line
+from runtime.train.step import make_eval_step
 
 
 class Evaluator:

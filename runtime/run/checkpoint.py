@@ -22,8 +22,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jobspec.errors import CheckpointError, StorageError
-from runtime.storage import configure_gcs_env
-from runtime.store import ArtifactStore
+from jobspec.storage import configure_gcs_env
+from runtime.run.store import ArtifactStore
 
 log = logging.getLogger(__name__)
 

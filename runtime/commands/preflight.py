@@ -8,12 +8,12 @@ import jax
 
 from jobspec.errors import JaxjobError
 from jobspec.run_config import RunConfig
+from jobspec.storage import join, url_to_fs
 from runtime.data.manifest import load_manifest
 from runtime.data.pipeline import check_for_run
-from runtime.flops import parameter_counts
-from runtime.sharding import build_mesh
-from runtime.storage import join, url_to_fs
-from runtime.store import ArtifactStore
+from runtime.model.flops import parameter_counts
+from runtime.model.sharding import build_mesh
+from runtime.run.store import ArtifactStore
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from runtime.storage import is_remote, join, url_to_fs
+from jobspec.storage import is_remote, join, url_to_fs
 
 FLUSH_EVERY_S = 5.0
 _active: list[HostLogTee] = []

@@ -81,7 +81,7 @@ def local_cmd(config: str, resume: bool, max_steps: int | None, sets: tuple[str,
     final checkpoint (restartable: run again with --resume), 2 on a bad config or input.
     """
     cfg, source = _load(config, sets)
-    from runtime.train import train
+    from runtime.train.loop import train
 
     result = train(cfg, source, resume=resume, max_steps=max_steps)
     sys.exit(result.exit_code)
@@ -110,7 +110,7 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
     committed checkpoint when the run has one. Exit codes: 0 done, 2 bad config or input,
     42 stopped by SIGTERM/SIGINT after a checkpoint (restart it), 43 a peer host was lost.
     """
-    from runtime import boot, writer
+    from runtime.host import boot, writer
 
     contract = boot.BootContract.from_env()
     identity = []
@@ -124,8 +124,8 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
         # JAX's own abort must come after our watchdog's clearer exit.
         heartbeat_timeout_s=cfg.runtime.host_loss_timeout_s + 30,
     )
-    from runtime.hostlog import HostLogTee, log_uri
-    from runtime.storage import join
+    from jobspec.storage import join
+    from runtime.host.hostlog import HostLogTee, log_uri
 
     # Logs that outlive pods: every host's output goes to the run's own storage too.
     HostLogTee(
@@ -134,7 +134,7 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
     writer_index = writer.elect_writer(
         info.attempt, run_id=cfg.run.id, timeout_s=cfg.runtime.boot_timeout_s
     )
-    from runtime.train import train
+    from runtime.train.loop import train
 
     click.echo(
         f"host {info.process_index} of {info.process_count} ({info.mode}, attempt {info.attempt}, "
@@ -159,7 +159,7 @@ def config_group() -> None:
 def config_check(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
     """Validate CONFIG and show what it resolves to: sizes, FLOPs, tokens per step."""
     from jobspec.load import resolved_dict
-    from runtime.flops import flops_per_token, parameter_counts
+    from runtime.model.flops import flops_per_token, parameter_counts
 
     cfg, _ = _load(config, sets)
     t = cfg.training
@@ -278,7 +278,7 @@ def data_check(manifest: str, deep: bool, as_json: bool) -> None:
 @SET_OPTION
 def preflight_cmd(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
     """Check devices, mesh fit, data, output and memory before a run."""
-    from runtime.preflight import preflight
+    from runtime.commands.preflight import preflight
 
     cfg, _ = _load(config, sets)
     report = preflight(cfg)
@@ -297,7 +297,7 @@ def preflight_cmd(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def inspect_cmd(run: str, as_json: bool) -> None:
     """Summarise a run directory or gs:// URI: status, progress, losses, checkpoints."""
-    from runtime.inspect import inspect_run, render
+    from runtime.run.inspect import inspect_run, render
 
     report = inspect_run(run)
     if as_json:
@@ -317,7 +317,7 @@ def eval_group() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def eval_checkpoint_cmd(run: str, selector: str, as_json: bool) -> None:
     """Run the configured evals on one checkpoint of RUN; writes evals/<step>.json."""
-    from runtime.offline import eval_checkpoint
+    from runtime.commands.offline import eval_checkpoint
 
     out = eval_checkpoint(run, selector)
     if as_json:
@@ -350,7 +350,7 @@ def sample_checkpoint_cmd(
     run, selector, prompt_ids, max_new_tokens, temperature, top_k, seed, as_json
 ) -> None:
     """KV-cache decode from one checkpoint of RUN; writes samples/<step>-<n>.json."""
-    from runtime.offline import sample_checkpoint
+    from runtime.commands.offline import sample_checkpoint
 
     try:
         ids = [int(x) for x in prompt_ids.replace(" ", "").split(",") if x]
@@ -388,7 +388,7 @@ def export_group() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def export_hf_cmd(run: str, selector: str, out: str, as_json: bool) -> None:
     """Export one checkpoint of RUN as a Hugging Face model dir (transformers loads it)."""
-    from runtime.hf.io import export_checkpoint
+    from runtime.commands.hf import export_checkpoint
 
     result = export_checkpoint(run, selector, out)
     if as_json:
@@ -414,7 +414,7 @@ def import_group() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def import_hf_cmd(path: str, out: str, config: str | None, as_json: bool) -> None:
     """Import the HF model dir PATH as checkpoint 0 of a run that eval/sample/export read."""
-    from runtime.hf.io import import_to_run
+    from runtime.commands.hf import import_to_run
 
     result = import_to_run(path, out, config=config)
     if as_json:

@@ -16,7 +16,7 @@ runtime/moe.py's dense dispatch computes all E experts: its MFU understates the 
 from __future__ import annotations
 
 from jobspec.run_config import ModelConfig
-from runtime.model import param_count as parameter_counts
+from runtime.model.qwen3 import param_count as parameter_counts
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:

@@ -19,7 +19,7 @@ from flax import nnx
 from jax import lax
 
 from jobspec.errors import ConfigError
-from runtime.model import Decoder
+from runtime.model.qwen3 import Decoder
 
 
 def _pick(

@@ -19,19 +19,22 @@ from jobspec.errors import CheckpointError, ConfigError
 from jobspec.exit_codes import EXIT_RESTARTABLE
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
-from runtime import artifacts, boot
-from runtime.checkpoint import CheckpointService, reconciled_entries
-from runtime.compat import check_compatible, fingerprint
-from runtime.coordination import HostWatchdog, StopAgreement
+from jobspec.storage import configure_gcs_env, join
 from runtime.data.pipeline import TokenBatches, check_for_run, train_batches
-from runtime.evaluate import Evaluator
-from runtime.metrics import Throughput
-from runtime.optim import build_optimizer
-from runtime.session import build_model, ensure_manifest, opt_state_shardings, others_from_saved
-from runtime.sharding import batch_sharding, build_mesh, replicated
-from runtime.storage import configure_gcs_env, join
-from runtime.store import ArtifactStore
-from runtime.train_step import make_train_step
+from runtime.data.prepare import ensure_manifest
+from runtime.host import boot
+from runtime.host.coordination import HostWatchdog, StopAgreement
+from runtime.model.build import build_model
+from runtime.model.sharding import batch_sharding, build_mesh, replicated
+from runtime.run import artifacts
+from runtime.run.checkpoint import CheckpointService, reconciled_entries
+from runtime.run.compat import check_compatible, fingerprint
+from runtime.run.store import ArtifactStore
+from runtime.train.evaluate import Evaluator
+from runtime.train.metrics import Throughput
+from runtime.train.optim import build_optimizer
+from runtime.train.state import opt_state_shardings, others_from_saved
+from runtime.train.step import make_train_step
 
 
 @dataclass

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from runtime.loss import clipped_pg_sums, cross_entropy_sums
-from runtime.moe import load_max_over_mean, update_router_bias
+from runtime.model.moe import load_max_over_mean, update_router_bias
+from runtime.train.loss import clipped_pg_sums, cross_entropy_sums
 
 Batch = dict[str, jax.Array]
 State = dict[str, Any]

@@ -1,0 +1,1 @@
+"""The `runtime` CLI and the commands that compose the packages (offline eval/sample, HF import/export, preflight)."""

@@ -1,0 +1,150 @@
+"""`runtime export hf` and `runtime import hf`: a checkpoint as an HF model dir, and back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jobspec.errors import ConfigError
+from jobspec.hf_config import hf_dir
+from runtime.hf.convert import model_config_from_hf, write_hf
+from runtime.hf.files import DEFAULT_MAX_SHARD_BYTES
+
+
+def export_checkpoint(
+    run: str, selector: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> dict[str, Any]:
+    """`runtime export hf`: one checkpoint of RUN as an HF model dir (config.json + safetensors).
+
+    Only parameters are exported: a qwen3_moe run's router bias (router_bias_update_rate > 0)
+    has no HF tensor, so HF routes such an export as if that bias were zero.
+    """
+    from runtime.commands.offline import _restore
+
+    _, cfg, step, parts, _ = _restore(run, selector)
+    files = write_hf(cfg.model, parts.params, out_dir, max_shard_bytes=max_shard_bytes)
+    return {
+        "run_id": cfg.run.id,
+        "step": step,
+        "checkpoint": selector,
+        "out": out_dir,
+        "files": files,
+    }
+
+
+def _import_run_config(path: Path, out: Path, config: str | None):
+    from jobspec.load import parse_run_config, read_toml
+
+    data: dict[str, Any] = read_toml(config) if config else {}
+    model = dict(data.get("model") or {})
+    given = model.get("init_from")
+    # Keep the TOML's own spelling of the same dir: init_from is part of the resume fingerprint.
+    if not (isinstance(given, str) and given.startswith("hf:") and _same_dir(hf_dir(given), path)):
+        model["init_from"] = f"hf:{path}"
+    if not config:
+        hf = model_config_from_hf(path)
+        seq_len = min(hf.max_position_embeddings, 2048)
+        data["data"] = {"manifest": ""}  # no data: sample works, eval needs a real manifest
+        data["training"] = {"seq_len": seq_len, "global_batch_size": 1, "target_tokens": seq_len}
+    data["model"] = model
+    data["run"] = {**(data.get("run") or {}), "id": out.name, "output_uri": str(out.parent)}
+    return parse_run_config(data, config or str(path))
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def import_to_run(path: str, out_dir: str, *, config: str | None = None) -> dict[str, Any]:
+    """`runtime import hf`: an HF model dir as checkpoint 0 of a run dir at `out_dir`.
+
+    The run dir holds manifest.json, config/{source.toml,resolved.json} and an Orbax checkpoint
+    with the HF weights and a fresh optimizer state, so `runtime eval/sample/export` read it.
+    With `config` (a run TOML; run.id/output_uri come from `out_dir`) whose data manifest exists,
+    the checkpoint also records the data position and fingerprint, so training that config
+    continues from it with `--resume`.
+    """
+    import jax
+
+    from jobspec.errors import JaxjobError
+    from jobspec.load import resolved_dict, to_toml
+    from runtime.data.manifest import load_manifest
+    from runtime.data.pipeline import train_batches
+    from runtime.model.build import build_model
+    from runtime.model.sharding import offline_mesh
+    from runtime.run.artifacts import LAYOUT, now, package_versions
+    from runtime.run.checkpoint import CheckpointService, load_index
+    from runtime.run.compat import fingerprint
+    from runtime.run.store import ArtifactStore
+    from runtime.train.optim import build_optimizer
+    from runtime.train.state import opt_state_shardings
+
+    src = Path(path).expanduser().resolve()
+    out = Path(out_dir).expanduser().resolve()
+    if not src.is_dir():  # its config.json is read (and checked) as the run config is built
+        raise ConfigError(f"{path} is not a directory (expected a local Hugging Face model dir)")
+    cfg = _import_run_config(src, out, config)
+    store = ArtifactStore(str(out))
+    if load_index(store).get("latest") is not None:
+        raise ConfigError(f"{out} already has checkpoints; import into a new directory")
+    store.check_writable()
+
+    mesh = offline_mesh(cfg.mesh)
+    parts = build_model(cfg.model, cfg.run.seed, mesh)
+    decay_steps = cfg.optimizer.schedule.decay_steps or cfg.training.total_steps
+    tx, _ = build_optimizer(cfg.optimizer, decay_steps)
+    o_sh = opt_state_shardings(tx, parts.params, parts.param_shardings, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=o_sh)(parts.params)
+    meta: dict[str, Any] = {
+        "step": 0,
+        "tokens": 0,
+        "rng": np.asarray(jax.random.PRNGKey(cfg.run.seed)).tolist(),
+        "decay_steps": decay_steps,
+        "config": resolved_dict(cfg),
+        "imported_from": str(src),
+    }
+    try:
+        manifest = load_manifest(cfg.data.manifest) if cfg.data.manifest else None
+    except JaxjobError:
+        manifest = None
+    if manifest is not None:
+        batches = train_batches(manifest, cfg.data, cfg.training, cfg.run.seed)
+        try:
+            meta["data_state"] = {"0": batches.state_for(0)}
+        finally:
+            batches.close()
+        meta["fingerprint"] = fingerprint(
+            cfg,
+            manifest_fingerprint=manifest.fingerprint,
+            tokenizer_id=manifest.tokenizer.id,
+            process_count=jax.process_count(),
+        )
+    store.write_text("config/source.toml", to_toml(cfg))
+    store.write_json("config/resolved.json", resolved_dict(cfg))
+    ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=False)
+    try:
+        ckpt.save(0, params=parts.params, opt_state=opt_state, meta=meta)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    store.write_json(
+        "manifest.json",
+        {
+            "run_id": cfg.run.id,
+            "status": "imported",
+            "output_uri": store.uri(""),
+            "created": now(),
+            "imported_from": str(src),
+            "total_steps": cfg.training.total_steps,
+            "tokens_per_step": cfg.training.tokens_per_step,
+            "layout": LAYOUT,
+            "jaxjob_version": package_versions()["jaxjob"],
+        },
+    )
+    return {"run_id": cfg.run.id, "out": store.uri(""), "step": 0, "from": str(src),
+            "resumable": manifest is not None}  # fmt: skip

@@ -1,0 +1,137 @@
+"""Hugging Face safetensors <-> NNX parameters, bit-exact in both directions.
+
+Import reads `config.json` plus `model.safetensors`, or the shards a `model.safetensors.index.json`
+lists, with `safetensors.numpy` (no torch). Export writes `config.json` and `model.safetensors`,
+split into `model-0000k-of-0000n.safetensors` shards with an index above `max_shard_bytes`.
+Tensors keep their stored dtype both ways (a bf16 parameter is written as bf16); only an
+explicit `param_dtype` that differs from the checkpoint's casts on import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jobspec.errors import ConfigError
+from jobspec.hf_config import hf_config_from_model, model_fields_from_hf, read_hf_config
+from jobspec.run_config import ModelConfig
+from runtime.hf.files import DEFAULT_MAX_SHARD_BYTES, read_safetensors, write_safetensors
+from runtime.hf.names import names_for
+
+Path_ = tuple[str | int, ...]
+
+
+def model_config_from_hf(path: str | Path, **overrides: Any) -> ModelConfig:
+    """The ModelConfig an HF dir's config.json describes (`overrides` are our key names)."""
+    fields = model_fields_from_hf(read_hf_config(path, what=str(path)), what=str(path))
+    return ModelConfig(**{**fields, **overrides})
+
+
+def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[Path_, np.ndarray]:
+    """Our parameters (flat: NNX path -> array) from an HF state dict."""
+    table = names_for(cfg)
+    known = {e.name for e in table}
+    if cfg.tie_word_embeddings:
+        known.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
+    extra = sorted(set(tensors) - known)
+    if extra:
+        raise ConfigError(
+            f"HF checkpoint has tensors jaxjob does not map, e.g. {extra[0]!r} ({len(extra)} in all)"
+        )
+    out: dict[Path_, np.ndarray] = {}
+    stacks: dict[Path_, dict[int, np.ndarray]] = {}
+    for e in table:
+        if e.name not in tensors:
+            raise ConfigError(f"HF checkpoint lacks tensor {e.name!r}")
+        a = tensors[e.name]
+        a = np.ascontiguousarray(a.T) if e.transpose else a
+        if e.expert is None:
+            out[e.path] = a
+        else:
+            stacks.setdefault(e.path, {})[e.expert] = a
+    for path, per_expert in stacks.items():
+        out[path] = np.stack([per_expert[k] for k in range(len(per_expert))])
+    return out
+
+
+def hf_from_params(cfg: ModelConfig, flat: dict[Path_, Any]) -> dict[str, np.ndarray]:
+    """An HF state dict from our flat parameters (NNX path -> array-like)."""
+    out: dict[str, np.ndarray] = {}
+    for e in names_for(cfg):
+        a = np.asarray(flat[e.path])
+        if e.expert is not None:
+            a = a[e.expert]
+        out[e.name] = np.ascontiguousarray(a.T) if e.transpose else np.ascontiguousarray(a)
+    return out
+
+
+def flat_params(params: Any) -> dict[Path_, Any]:
+    """nnx.State (or a pure nested dict) of parameters -> {path: array}."""
+    from flax import nnx, traverse_util
+
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    return traverse_util.flatten_dict(params)
+
+
+def load_hf_params(path: str | Path, cfg: ModelConfig) -> dict[Path_, np.ndarray]:
+    """Flat parameters for `cfg` from the HF dir at `path`."""
+    return params_from_hf(cfg, read_safetensors(path))
+
+
+def _host(x: Any) -> np.ndarray:
+    import jax
+
+    return np.asarray(jax.device_get(x))
+
+
+def place_params(flat: dict[Path_, np.ndarray], abstract_params: Any, shardings: Any) -> Any:
+    """Device arrays laid out with `shardings`, in the structure of `abstract_params` (nnx.State).
+
+    Each host builds only its own shards from the full host copy (multi-host safe). A shape that
+    differs from the model's is a ConfigError; a dtype that differs is cast to the model's.
+    """
+    import jax
+    from flax import nnx, traverse_util
+
+    abs_flat = flat_params(abstract_params)
+    sh_flat = flat_params(shardings)
+    missing = sorted(set(abs_flat) - set(flat), key=str)
+    if missing:
+        raise ConfigError(f"HF weights lack parameter {_fmt(missing[0])}")
+    placed = {}
+    for path, ab in abs_flat.items():
+        a = flat[path]
+        if tuple(a.shape) != tuple(ab.shape):
+            raise ConfigError(
+                f"HF weight for {_fmt(path)} has shape {tuple(a.shape)}, the model needs "
+                f"{tuple(ab.shape)}"
+            )
+        if a.dtype != ab.dtype:
+            a = a.astype(ab.dtype)
+        placed[path] = jax.make_array_from_callback(a.shape, sh_flat[path], lambda i, a=a: a[i])
+    new = jax.tree.map(lambda x: x, abstract_params)  # a copy; the target stays abstract
+    nnx.replace_by_pure_dict(new, traverse_util.unflatten_dict(placed))
+    return new
+
+
+def _fmt(path: Path_) -> str:
+    return ".".join(str(p) for p in path)
+
+
+# ---- run directories ------------------------------------------------------------------------
+
+
+def write_hf(
+    cfg: ModelConfig,
+    params: Any,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[str]:
+    """config.json + safetensors for `params` (nnx.State or pure nested dict); the file names."""
+    tensors = hf_from_params(cfg, {k: _host(v) for k, v in flat_params(params).items()})
+    hf_cfg = hf_config_from_model(cfg.model_dump())
+    return write_safetensors(tensors, hf_cfg, out_dir, max_shard_bytes=max_shard_bytes)

@@ -1,0 +1,1 @@
+"""Who am I, who writes, who is alive: boot, writer election, stop/host-loss agreement, host logs."""

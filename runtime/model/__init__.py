@@ -1,0 +1,1 @@
+"""Model families, their shared layers, the family registry, sharding rules and generation."""

@@ -1,0 +1,110 @@
+"""The layers every decoder family builds from: dtypes, the normal initialiser, Dense, Embed,
+RMSNorm and RoPE. Parameters carry logical axis names only; mesh placement is sharding.py's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jobspec.run_config import ModelConfig
+
+_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def dtype_of(name: str) -> Any:
+    """The jnp dtype for a config dtype name ("float32" | "bfloat16")."""
+    return _DTYPES[name]
+
+
+def normal_param(
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    std: float,
+    param_dtype: Any,
+    eager_sharding: bool,
+) -> nnx.Param:
+    """A plain (not truncated) normal `nnx.Param`, like HF's `_init_weights`, with logical axis
+    `names`. Drawn in fp32 and then cast, so a bf16-stored model holds the rounded values of the
+    fp32 model with the same seed. (Here rather than in runtime.model, which imports this module.)
+    """
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(param_dtype), out_sharding=names, eager_sharding=eager_sharding)
+
+
+class Dense(nnx.Module):
+    """Bias-free projection with a [in, out] kernel."""
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        names: tuple[str, str],
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        eager_sharding: bool,
+    ) -> None:
+        self.kernel = normal_param(
+            rngs, (d_in, d_out), names, cfg.init_std, dtype_of(cfg.param_dtype), eager_sharding
+        )
+        self.compute_dtype = dtype_of(cfg.compute_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...d,df->...f", x, self.kernel[...].astype(self.compute_dtype))
+
+
+class Embed(nnx.Module):
+    """Token embedding table [vocab, hidden]; also the lm head when tied."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
+        self.embedding = normal_param(
+            rngs,
+            (cfg.vocab_size, cfg.hidden_size),
+            ("vocab", "embed"),
+            cfg.init_std,
+            dtype_of(cfg.param_dtype),
+            eager_sharding,
+        )
+        self.compute_dtype = dtype_of(cfg.compute_dtype)
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], inputs, axis=0).astype(self.compute_dtype)
+
+
+class RMSNorm(nnx.Module):
+    """HF Qwen3RMSNorm: statistics in fp32, result cast back to the input dtype, times weight."""
+
+    def __init__(self, dim: int, cfg: ModelConfig, *, eager_sharding: bool) -> None:
+        self.scale = nnx.Param(
+            jnp.ones((dim,), dtype_of(cfg.param_dtype)),
+            out_sharding=("norm",),
+            eager_sharding=eager_sharding,
+        )
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """fp32 cos/sin [B, T, head_dim] for integer positions [B, T], HF default RoPE."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, T, N, D] in the "rotate_half" convention; done in fp32, cast back."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)

@@ -1,0 +1,1 @@
+"""A run's storage: the artifact store, artifacts, checkpoints and their metadata, compatibility, inspection."""

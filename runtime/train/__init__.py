@@ -1,0 +1,1 @@
+"""Training: the typed train state, the pure step, loss, optimizer, evaluator and the host loop."""

@@ -25,7 +25,7 @@ from runtime.model.build import build_model
 from runtime.model.sharding import batch_sharding, build_mesh, replicated
 from runtime.train.loss import cross_entropy_sums
 from runtime.train.optim import build_optimizer
-from runtime.train.state import opt_state_shardings
+from runtime.train.state import new_state, opt_state_shardings, state_shardings
 from runtime.train.step import make_train_step
 
 
@@ -52,7 +52,7 @@ def time_steps(fn, state, batch, steps: int):
 
 
 def runtime_step(cfg):
-    """(jitted step, state, device batch) built exactly as runtime/train.py builds them."""
+    """(jitted step, state, device batch) built exactly as runtime/train/loop.py builds them."""
     t = cfg.training
     mesh = build_mesh(cfg.mesh)
     rep = replicated(mesh)
@@ -62,16 +62,10 @@ def runtime_step(cfg):
     batch = {k: jax.make_array_from_process_local_data(b_sh, v, shape) for k, v in host.items()}
     tx, schedule = build_optimizer(cfg.optimizer, t.total_steps)
     parts = build_model(cfg.model, cfg.run.seed, mesh)
-    o_sh = opt_state_shardings(tx, parts.params, parts.param_shardings, mesh)
-    state_sh = {"params": parts.param_shardings, "opt_state": o_sh, "step": rep, "rng": rep}
-    state = {
-        "params": parts.params,
-        "opt_state": jax.jit(tx.init, out_shardings=o_sh)(parts.params),
-        "step": jax.device_put(jnp.zeros((), jnp.int32), rep),
-        "rng": jax.device_put(jax.random.PRNGKey(cfg.run.seed), rep),  # as runtime/train.py
-    }
+    state_sh = state_shardings(parts, tx, mesh)
+    state = new_state(parts, tx, state_sh, cfg.run.seed)  # as the train loop
     fn = jax.jit(
-        make_train_step(parts.graphdef, parts.others, tx, schedule),
+        make_train_step(parts.graphdef, tx, schedule),
         in_shardings=(state_sh, b_sh), out_shardings=(state_sh, rep), donate_argnums=0,
     )  # fmt: skip
     return fn, state, batch, parts, tx

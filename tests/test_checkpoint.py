@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jobspec.errors import CheckpointError
 from runtime.run.checkpoint import INDEX, CheckpointService, load_index
+from runtime.run.meta import CheckpointMeta
 from runtime.run.store import ArtifactStore
 
 FINGERPRINT = {"model.hidden_size": 8, "data.manifest": "abc"}
@@ -33,8 +34,9 @@ def abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def meta(step: int) -> dict:
-    return {"step": step, "tokens": step * 64, "rng": [0, step], "fingerprint": FINGERPRINT}
+def meta(step: int) -> CheckpointMeta:
+    return CheckpointMeta(step=step, tokens=step * 64, rng=[0, step], decay_steps=10, config={},
+                          fingerprint=FINGERPRINT)  # fmt: skip
 
 
 def save(svc: CheckpointService, step: int, val_loss: float | None = None, **kw) -> bool:
@@ -92,7 +94,7 @@ def test_params_only_restore_never_reads_optimizer_state(tmp_path) -> None:
     shutil.rmtree(tmp_path / "run/checkpoints/3/opt_state")  # would fail any read of it
     params, _ = make_state(3.0)
     got_params, got_opt, got_meta = svc.restore(3, params_target=abstract(params))
-    assert got_opt is None and got_meta["step"] == 3
+    assert got_opt is None and got_meta.step == 3
     np.testing.assert_array_equal(np.asarray(got_params["embed"]), np.asarray(params["embed"]))
     svc.close()
 
@@ -250,8 +252,30 @@ def test_read_only_service_leaves_a_live_save_alone(tmp_path) -> None:
 
     reader = CheckpointService(ArtifactStore(str(root)), keep=2, read_only=True)
     params, _ = make_state(1.0)
-    assert reader.restore(reader.resolve("latest"), params_target=abstract(params))[2]["step"] == 1
+    assert reader.restore(reader.resolve("latest"), params_target=abstract(params))[2].step == 1
     with pytest.raises(RuntimeError, match="read-only"):
         save(reader, 3)
     reader.close()
     assert live.exists()
+
+
+def test_the_service_owns_the_save_cadence(tmp_path) -> None:
+    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=5, async_save=False,
+                            every=3, last_step=9)  # fmt: skip
+    params, opt_state = make_state()
+    built: list[int] = []
+
+    def meta_for(step: int):
+        def build() -> CheckpointMeta:
+            built.append(step)
+            return meta(step)
+
+        return build
+
+    for step in range(1, 10):
+        svc.maybe_save(step, params=params, opt_state=opt_state, meta=meta_for(step))
+    # Every third step before the last; the last step's save is the caller's final one.
+    assert svc.steps() == [3, 6] and built == [3, 6]
+    assert svc.maybe_save(9, params=params, opt_state=opt_state, meta=meta_for(9), final=True)
+    assert svc.steps() == [3, 6, 9]
+    svc.close()

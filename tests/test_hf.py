@@ -192,7 +192,7 @@ def test_init_from_fills_model_keys_and_toml_wins(tmp_path):
 
 
 def test_finetune_from_hf_then_export(tmp_path, prepared):
-    from runtime.commands.offline import _restore
+    from runtime.commands.offline import restore_checkpoint
     from runtime.train.loop import train
 
     src = _hf_model(tmp_path / "hf", tied=False, vocab=260, max_position_embeddings=64)
@@ -217,7 +217,7 @@ def test_finetune_from_hf_then_export(tmp_path, prepared):
     assert not np.array_equal(exported["model.norm.weight"], start["model.norm.weight"])
 
     batch = BATCH % 257
-    _, _, _, parts, _ = _restore(str(run_dir), "latest")
+    _, _, _, parts, _ = restore_checkpoint(str(run_dir), "latest")
     ours = _our_logits(nnx.merge(parts.graphdef, parts.params, *parts.others), batch)
     theirs = _hf_logits(out, batch)
     diff = float(np.max(np.abs(ours - theirs)))

@@ -18,6 +18,7 @@ from runtime.model.flops import flops_per_token
 from runtime.model.moe import RouterBias, SparseMoE, update_router_bias
 from runtime.model.qwen3 import LOGICAL_AXES, Decoder, param_count
 from runtime.model.sharding import LOGICAL_RULES
+from runtime.train.state import TrainState
 from runtime.train.step import make_train_step
 
 
@@ -268,17 +269,16 @@ def _skewed_run(rate: float, steps: int = 50) -> tuple[float, float, np.ndarray]
         layer.mlp.gate.kernel[...] = w.at[:, 0].add(3.5 / d)
     graphdef, params, others = nnx.split(model, nnx.Param, ...)
     tx = optax.adam(1e-3)
-    state = {
-        "params": params,
-        "opt_state": tx.init(params),
-        "step": jnp.zeros((), jnp.int32),
-        "rng": jax.random.PRNGKey(0),
-        "others": (others,),
-    }
+    state = TrainState(
+        params=params,
+        opt_state=tx.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.random.PRNGKey(0),
+        model_state=(others,),
+    )
     step_fn = jax.jit(
         make_train_step(
             graphdef,
-            (others,),
             tx,
             optax.constant_schedule(1e-3),
             router_bias_update_rate=cfg.router_bias_update_rate,
@@ -298,7 +298,7 @@ def _skewed_run(rate: float, steps: int = 50) -> tuple[float, float, np.ndarray]
         state, metrics = step_fn(state, batch)
         ratios.append(float(metrics["expert_load_max_over_mean"]))
         assert np.isfinite(float(metrics["loss"]))
-    final = nnx.merge(graphdef, state["params"], *state["others"])
+    final = nnx.merge(graphdef, state.params, *state.model_state)
     biases = np.stack([np.asarray(layer.mlp.router_bias[...]) for layer in final.layers])
     return ratios[0], float(np.mean(ratios[-10:])), biases
 
@@ -315,18 +315,19 @@ def test_router_bias_update_balances_a_skewed_router() -> None:
     assert on < off - 0.3
 
 
-def test_rate_needs_others_in_state_and_dense_has_no_load_metric() -> None:
+def test_dense_has_no_load_metric_and_keeps_its_empty_model_state() -> None:
     cfg = moe_cfg(
         family="qwen3", num_experts=None, num_experts_per_tok=None, moe_intermediate_size=None
     )
     graphdef, params, others = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     tx = optax.sgd(0.1)
-    state = {
-        "params": params,
-        "opt_state": tx.init(params),
-        "step": jnp.zeros((), jnp.int32),
-        "rng": jax.random.PRNGKey(0),
-    }
+    state = TrainState(
+        params=params,
+        opt_state=tx.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.random.PRNGKey(0),
+        model_state=(others,),
+    )
     ones = jnp.ones((1, 2, 8), jnp.int32)
     batch = {
         "inputs": ones,
@@ -336,10 +337,10 @@ def test_rate_needs_others_in_state_and_dense_has_no_load_metric() -> None:
         "positions": jnp.broadcast_to(jnp.arange(8), (1, 2, 8)),
     }
     sched = optax.constant_schedule(0.1)
-    new_state, metrics = jax.jit(make_train_step(graphdef, (others,), tx, sched))(state, batch)
-    assert "expert_load_max_over_mean" not in metrics and "others" not in new_state
-    with pytest.raises(ValueError, match="others"):
-        make_train_step(graphdef, (others,), tx, sched, router_bias_update_rate=0.1)(state, batch)
+    new_state, metrics = jax.jit(make_train_step(graphdef, tx, sched))(state, batch)
+    assert "expert_load_max_over_mean" not in metrics
+    # The model state is always in the train state: a dense model's is empty and stays so.
+    assert jax.tree.leaves(new_state.model_state) == [] == jax.tree.leaves(others)
 
 
 def test_a_qwen3_moe_model_table_needs_the_moe_keys_to_skip_the_hf_lookup() -> None:

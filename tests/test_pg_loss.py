@@ -14,9 +14,9 @@ from flax import nnx
 from jobspec.run_config import MeshConfig, ModelConfig
 from runtime.commands.cli import main
 from runtime.model.build import build_model
-from runtime.model.sharding import build_mesh, replicated
+from runtime.model.sharding import build_mesh
 from runtime.train.loss import clipped_pg_sums, cross_entropy_sums, token_logprobs
-from runtime.train.state import opt_state_shardings
+from runtime.train.state import new_state, state_shardings
 from runtime.train.step import make_train_step
 
 from runs import tiny_config, write_config
@@ -186,19 +186,11 @@ def test_clipped_pg_train_step_reduces_loss():
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
 
     tx = optax.adam(1e-2)
-    # Laid out as runtime/train.py lays it out, so the step compiles once, not again on step two.
-    rep = replicated(mesh)
-    o_sh = opt_state_shardings(tx, parts.params, parts.param_shardings, mesh)
-    state = {
-        "params": parts.params,
-        "opt_state": jax.jit(tx.init, out_shardings=o_sh)(parts.params),
-        "step": jax.device_put(jnp.zeros((), jnp.int32), rep),
-        "rng": jax.device_put(jax.random.PRNGKey(0), rep),
-    }
+    # Laid out as the train loop lays it out, so the step compiles once, not again on step two.
+    state = new_state(parts, tx, state_shardings(parts, tx, mesh), seed=0)
     step_fn = jax.jit(
         make_train_step(
             parts.graphdef,
-            parts.others,
             tx,
             optax.constant_schedule(1e-2),
             objective="clipped_pg",
@@ -224,18 +216,15 @@ def test_clipped_pg_step_needs_the_pg_arrays():
                             intermediate_size=64, max_position_embeddings=32)  # fmt: skip
     parts = build_model(model_cfg, 0, build_mesh(MeshConfig()))
     tx = optax.sgd(0.1)
-    step = make_train_step(
-        parts.graphdef, parts.others, tx, optax.constant_schedule(0.1), objective="clipped_pg"
-    )
+    step = make_train_step(parts.graphdef, tx, optax.constant_schedule(0.1), objective="clipped_pg")
     ones = jnp.ones((1, 1, 4), jnp.int32)
     batch = {"inputs": ones, "targets": ones, "loss_mask": ones.astype(jnp.float32),
              "segment_ids": ones, "positions": ones}  # fmt: skip
-    state = {"params": parts.params, "opt_state": tx.init(parts.params),
-             "step": jnp.zeros((), jnp.int32), "rng": jax.random.PRNGKey(0)}  # fmt: skip
+    state = new_state(parts, tx, state_shardings(parts, tx, build_mesh(MeshConfig())), seed=0)
     with pytest.raises(ValueError, match="advantages"):
         step(state, batch)
     with pytest.raises(ValueError, match="objective"):
-        make_train_step(parts.graphdef, parts.others, tx, optax.constant_schedule(0.1), "dpo")
+        make_train_step(parts.graphdef, tx, optax.constant_schedule(0.1), "dpo")
 
 
 def test_local_refuses_clipped_pg_on_token_manifests(prepared, tmp_path, capsys):

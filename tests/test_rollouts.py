@@ -13,7 +13,7 @@ from flax import nnx
 from jobspec.errors import ConfigError, DataError
 from jobspec.load import parse_run_config
 from jobspec.run_config import MeshConfig
-from runtime.commands.offline import _restore, eval_checkpoint
+from runtime.commands.offline import eval_checkpoint, restore_checkpoint
 from runtime.data.manifest import load_manifest
 from runtime.data.pipeline import OBJECTIVE_FIELDS, TokenBatches, check_objective
 from runtime.data.prepare import prepare_dataset
@@ -296,7 +296,7 @@ def _initial_model(cfg_dict: dict):
 
 
 def _final_model(run_dir: Path):
-    _, _, _, parts, _ = _restore(str(run_dir), "latest")
+    _, _, _, parts, _ = restore_checkpoint(str(run_dir), "latest")
     return nnx.merge(parts.graphdef, parts.params, *parts.others)
 
 

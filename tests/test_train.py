@@ -18,7 +18,7 @@ from flax import nnx
 
 from jobspec.load import parse_run_config
 from jobspec.run_config import MeshConfig, ModelConfig
-from runtime.commands.offline import _restore, eval_checkpoint, sample_checkpoint
+from runtime.commands.offline import eval_checkpoint, restore_checkpoint, sample_checkpoint
 from runtime.data.manifest import load_manifest
 from runtime.data.pipeline import TokenBatches
 from runtime.model.build import build_model
@@ -26,6 +26,7 @@ from runtime.model.qwen3 import Decoder
 from runtime.model.sharding import batch_sharding, build_mesh
 from runtime.train.loop import EXIT_RESTARTABLE, train
 from runtime.train.loss import cross_entropy_sums
+from runtime.train.state import new_state, state_shardings
 from runtime.train.step import make_train_step
 
 from runs import ROOT, read_jsonl, run_cli, tiny_config, write_config
@@ -41,7 +42,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def _final_params(run_dir: Path):
-    _, _, step, parts, _ = _restore(str(run_dir), "latest")
+    _, _, step, parts, _ = restore_checkpoint(str(run_dir), "latest")
     return step, jax.tree.leaves(jax.device_get(parts.params))
 
 
@@ -86,25 +87,18 @@ def _one_update(model_cfg: ModelConfig, batches: TokenBatches, mesh):
     without Adam's normalisation amplifying rounding in near-zero gradients."""
     parts = build_model(model_cfg, 0, mesh)
     tx = optax.sgd(1.0)
-    state = {
-        "params": parts.params,
-        "opt_state": tx.init(parts.params),
-        "step": jnp.zeros((), jnp.int32),
-        "rng": jax.random.PRNGKey(0),
-    }
+    state = new_state(parts, tx, state_shardings(parts, tx, mesh), seed=0)
     before = jax.device_get(parts.params)
-    step_fn = jax.jit(
-        make_train_step(parts.graphdef, parts.others, tx, optax.constant_schedule(1.0))
-    )
+    step_fn = jax.jit(make_train_step(parts.graphdef, tx, optax.constant_schedule(1.0)))
     b_sh = batch_sharding(mesh, 3, leading=1)
     shape = (batches.accum, batches.global_batch_size, batches.seq_len)
     batch = {
         k: jax.make_array_from_process_local_data(b_sh, v, shape)
         for k, v in batches.read_step(0).items()
     }
-    new_state, metrics = step_fn(state, batch)
+    after, metrics = step_fn(state, batch)
     update = jax.tree.map(
-        lambda a, b: np.asarray(a) - np.asarray(b), jax.device_get(new_state["params"]), before
+        lambda a, b: np.asarray(a) - np.asarray(b), jax.device_get(after.params), before
     )
     return jax.tree.leaves(update), jax.device_get(metrics)
 
@@ -315,7 +309,7 @@ def test_moe_router_bias_is_what_evals_route_with(tmp_path, prepared):
     offline = eval_checkpoint(str(tmp_path / "moe-eval"), "latest")["results"][0]
     assert offline["loss"] == pytest.approx(evals[-1]["loss"], rel=1e-6)
     # The biases did move, so routing with the initial ones would be another model.
-    _, _, _, parts, _ = _restore(str(tmp_path / "moe-eval"), "latest")
+    _, _, _, parts, _ = restore_checkpoint(str(tmp_path / "moe-eval"), "latest")
     assert any(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(parts.others))
 
 
@@ -335,3 +329,27 @@ def test_a_checkpoint_the_index_missed_still_counts(tmp_path, prepared):
     assert r.status == "completed" and r.summary["steps"] == 8
     rows = read_jsonl(tmp_path / "lost/metrics/train.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_failure_is_recorded_at_the_step_it_happened(tmp_path, prepared, monkeypatch):
+    """A save that fails at step 6 of a run resumed at step 3 is recorded at step 6, not at the
+    attempt's start step (as a disk-full failure once was)."""
+    from jobspec.errors import StorageError
+    from runtime.run.checkpoint import CheckpointService
+
+    cfg = tiny_config(prepared, str(tmp_path), run_id="fails", checkpoint={"every": 3})
+    assert _train(cfg, resume=False, max_steps=3).status == "stopped"
+    real_save = CheckpointService.save
+
+    def save(self, step, **kw):
+        if step == 6:
+            raise StorageError("no space left on device")
+        return real_save(self, step, **kw)
+
+    monkeypatch.setattr(CheckpointService, "save", save)
+    with pytest.raises(StorageError, match="no space"):
+        _train(cfg, resume=True)
+    failure = [e for e in read_jsonl(tmp_path / "fails/events.jsonl") if e["event"] == "failure"]
+    assert [(f["step"], f["error"]) for f in failure] == [(6, "no space left on device")]
+    manifest = json.loads((tmp_path / "fails/manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["steps"] == 6

@@ -5,12 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
-from jobspec.errors import ConfigError
+from jobspec.errors import ConfigError, JaxjobError
 from jobspec.hf_config import hf_dir
+from jobspec.load import parse_run_config, read_toml, resolved_dict, to_toml
+from jobspec.run_config import RunConfig
+from runtime.commands.offline import restore_checkpoint
+from runtime.data.manifest import Manifest, load_manifest
+from runtime.data.pipeline import train_batches
 from runtime.hf.convert import model_config_from_hf, write_hf
 from runtime.hf.files import DEFAULT_MAX_SHARD_BYTES
+from runtime.model.build import build_model
+from runtime.model.sharding import offline_mesh
+from runtime.run.artifacts import now, package_versions
+from runtime.run.checkpoint import CheckpointService, load_index
+from runtime.run.compat import run_fingerprint
+from runtime.run.meta import CheckpointMeta, run_manifest
+from runtime.run.store import ArtifactStore
+from runtime.train.optim import build_optimizer
+from runtime.train.state import new_state, state_shardings
 
 
 def export_checkpoint(
@@ -21,9 +36,7 @@ def export_checkpoint(
     Only parameters are exported: a qwen3_moe run's router bias (router_bias_update_rate > 0)
     has no HF tensor, so HF routes such an export as if that bias were zero.
     """
-    from runtime.commands.offline import _restore
-
-    _, cfg, step, parts, _ = _restore(run, selector)
+    _, cfg, step, parts, _ = restore_checkpoint(run, selector)
     files = write_hf(cfg.model, parts.params, out_dir, max_shard_bytes=max_shard_bytes)
     return {
         "run_id": cfg.run.id,
@@ -35,8 +48,6 @@ def export_checkpoint(
 
 
 def _import_run_config(path: Path, out: Path, config: str | None):
-    from jobspec.load import parse_run_config, read_toml
-
     data: dict[str, Any] = read_toml(config) if config else {}
     model = dict(data.get("model") or {})
     given = model.get("init_from")
@@ -69,21 +80,6 @@ def import_to_run(path: str, out_dir: str, *, config: str | None = None) -> dict
     the checkpoint also records the data position and fingerprint, so training that config
     continues from it with `--resume`.
     """
-    import jax
-
-    from jobspec.errors import JaxjobError
-    from jobspec.load import resolved_dict, to_toml
-    from runtime.data.manifest import load_manifest
-    from runtime.data.pipeline import train_batches
-    from runtime.model.build import build_model
-    from runtime.model.sharding import offline_mesh
-    from runtime.run.artifacts import LAYOUT, now, package_versions
-    from runtime.run.checkpoint import CheckpointService, load_index
-    from runtime.run.compat import fingerprint
-    from runtime.run.store import ArtifactStore
-    from runtime.train.optim import build_optimizer
-    from runtime.train.state import opt_state_shardings
-
     src = Path(path).expanduser().resolve()
     out = Path(out_dir).expanduser().resolve()
     if not src.is_dir():  # its config.json is read (and checked) as the run config is built
@@ -98,53 +94,46 @@ def import_to_run(path: str, out_dir: str, *, config: str | None = None) -> dict
     parts = build_model(cfg.model, cfg.run.seed, mesh)
     decay_steps = cfg.optimizer.schedule.decay_steps or cfg.training.total_steps
     tx, _ = build_optimizer(cfg.optimizer, decay_steps)
-    o_sh = opt_state_shardings(tx, parts.params, parts.param_shardings, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=o_sh)(parts.params)
-    meta: dict[str, Any] = {
-        "step": 0,
-        "tokens": 0,
-        "rng": np.asarray(jax.random.PRNGKey(cfg.run.seed)).tolist(),
-        "decay_steps": decay_steps,
-        "config": resolved_dict(cfg),
-        "imported_from": str(src),
-    }
-    try:
-        manifest = load_manifest(cfg.data.manifest) if cfg.data.manifest else None
-    except JaxjobError:
-        manifest = None
-    if manifest is not None:
-        batches = train_batches(manifest, cfg.data, cfg.training, cfg.run.seed)
-        try:
-            meta["data_state"] = {"0": batches.state_for(0)}
-        finally:
-            batches.close()
-        meta["fingerprint"] = fingerprint(
-            cfg,
-            manifest_fingerprint=manifest.fingerprint,
-            tokenizer_id=manifest.tokenizer.id,
-            process_count=jax.process_count(),
-        )
+    state = new_state(parts, tx, state_shardings(parts, tx, mesh), cfg.run.seed)
+    manifest = _manifest_if_any(cfg)
+    meta = CheckpointMeta(
+        step=0,
+        tokens=0,
+        rng=np.asarray(jax.device_get(state.rng)).tolist(),
+        decay_steps=decay_steps,
+        config=resolved_dict(cfg),
+        fingerprint=run_fingerprint(cfg, manifest) if manifest else {},
+        data_state={"0": _start_data_state(cfg, manifest)} if manifest else None,
+        imported_from=str(src),
+    )
     store.write_text("config/source.toml", to_toml(cfg))
     store.write_json("config/resolved.json", resolved_dict(cfg))
     ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=False)
     try:
-        ckpt.save(0, params=parts.params, opt_state=opt_state, meta=meta)
+        ckpt.save(0, params=state.params, opt_state=state.opt_state, meta=meta)
         ckpt.wait()
     finally:
         ckpt.close()
+    version = package_versions()["jaxjob"]
     store.write_json(
         "manifest.json",
-        {
-            "run_id": cfg.run.id,
-            "status": "imported",
-            "output_uri": store.uri(""),
-            "created": now(),
-            "imported_from": str(src),
-            "total_steps": cfg.training.total_steps,
-            "tokens_per_step": cfg.training.tokens_per_step,
-            "layout": LAYOUT,
-            "jaxjob_version": package_versions()["jaxjob"],
-        },
-    )
+        run_manifest(cfg, store.uri(""), status="imported", version=version, created=now(),
+                     imported_from=str(src)),
+    )  # fmt: skip
     return {"run_id": cfg.run.id, "out": store.uri(""), "step": 0, "from": str(src),
             "resumable": manifest is not None}  # fmt: skip
+
+
+def _manifest_if_any(cfg: RunConfig) -> Manifest | None:
+    try:
+        return load_manifest(cfg.data.manifest) if cfg.data.manifest else None
+    except JaxjobError:  # no data yet: the import still serves eval-less sampling and export
+        return None
+
+
+def _start_data_state(cfg: RunConfig, manifest: Manifest) -> dict[str, Any]:
+    batches = train_batches(manifest, cfg.data, cfg.training, cfg.run.seed)
+    try:
+        return batches.state_for(0)
+    finally:
+        batches.close()

@@ -6,7 +6,7 @@ Only what inference needs is restored (parameters and meta), never optimizer or 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, NamedTuple
 
 from flax import nnx
 from jax.sharding import Mesh
@@ -24,10 +24,21 @@ from runtime.run.checkpoint import CheckpointService
 from runtime.run.inspect import open_run
 from runtime.run.store import ArtifactStore
 from runtime.train.evaluate import Evaluator
-from runtime.train.state import others_from_saved
+from runtime.train.state import model_state_from_meta
 
 
-def _restore(run: str, selector: str) -> tuple[ArtifactStore, RunConfig, int, ModelParts, Mesh]:
+class Restored(NamedTuple):
+    """A checkpoint restored for inference: the run's store and config, the step, the model."""
+
+    store: ArtifactStore
+    cfg: RunConfig
+    step: int
+    parts: ModelParts
+    mesh: Mesh
+
+
+def restore_checkpoint(run: str, selector: str) -> Restored:
+    """Parameters and model state of RUN's checkpoint `selector`, on an offline mesh."""
     store = open_run(run)
     cfg = parse_run_config(
         store.read_json("config/resolved.json"), store.uri("config/resolved.json")
@@ -40,15 +51,14 @@ def _restore(run: str, selector: str) -> tuple[ArtifactStore, RunConfig, int, Mo
         params, _, meta = ckpt.restore(step, params_target=abstract.params)
     finally:
         ckpt.close()
-    others = abstract.others
-    if "router_bias" in meta:  # an MoE run's balancing biases: route as training left them
-        others = others_from_saved(others, meta["router_bias"], replicated(mesh))
+    # An MoE run's balancing biases: route as training left them.
+    others = model_state_from_meta(abstract.others, meta, replicated(mesh))
     parts = ModelParts(abstract.graphdef, params, others, abstract.param_shardings)
-    return store, cfg, step, parts, mesh
+    return Restored(store, cfg, step, parts, mesh)
 
 
 def eval_checkpoint(run: str, selector: str) -> dict[str, Any]:
-    store, cfg, step, parts, mesh = _restore(run, selector)
+    store, cfg, step, parts, mesh = restore_checkpoint(run, selector)
     if not cfg.data.manifest:  # `runtime import hf` without --config records no data
         raise ConfigError(
             f"run {cfg.run.id!r} has no data manifest (it was imported from Hugging Face without "
@@ -81,7 +91,7 @@ def sample_checkpoint(
     top_k: int | None,
     seed: int,
 ) -> dict[str, Any]:
-    store, cfg, step, parts, _ = _restore(run, selector)
+    store, cfg, step, parts, _ = restore_checkpoint(run, selector)
     model = nnx.merge(parts.graphdef, parts.params, *parts.others)
     tokenizer = None
     try:

@@ -20,21 +20,13 @@ from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
 from runtime.host import boot
 from runtime.model.flops import flops_per_token, parameter_counts
+from runtime.run.meta import run_manifest
 from runtime.run.store import ArtifactStore
 from runtime.train.metrics import Throughput, live_line
 
 TRAIN_METRICS = "metrics/train.jsonl"
 EVAL_METRICS = "metrics/eval.jsonl"
 EVENTS = "events.jsonl"
-LAYOUT = {
-    "manifest": "manifest.json",
-    "config": ["config/source.toml", "config/resolved.json"],
-    "diagnostics": "diagnostics/runtime.json",
-    "metrics": [TRAIN_METRICS, EVAL_METRICS],
-    "events": EVENTS,
-    "summary": "summaries/final.json",
-    "checkpoints": "checkpoints/index.json",
-}
 PACKAGES = (
     "jaxjob",
     "jax",
@@ -125,7 +117,11 @@ class RunArtifacts:
         self.accelerator, chip_peak = device_peak(jax.devices())
         self.job_peak_flops = chip_peak * len(jax.devices()) if chip_peak else None
         self._manifest: dict[str, Any] = {}
-        self._flushes = 0
+        t = cfg.training
+        # Steady-state throughput: the loop marks the clock after compilation, evals and saves.
+        self.meter = Throughput(t.tokens_per_step, self.flops_per_token, self.job_peak_flops)
+        self._pending: list[tuple[int, Any, dict]] = []  # steps since the last host sync
+        self.last_row: dict | None = None  # the newest row written
 
     @property
     def writer(self) -> bool:
@@ -155,16 +151,19 @@ class RunArtifacts:
         self.store.write_json("config/resolved.json", resolved_dict(self.cfg))
         self.store.write_json("diagnostics/runtime.json", diagnostics)
         self._manifest.setdefault("created", now())
+        version = package_versions()["jaxjob"]
         self._write_manifest(
-            run_id=self.cfg.run.id,
-            status="running",
-            output_uri=self.store.uri(""),
-            total_steps=total_steps,
-            tokens_per_step=self.cfg.training.tokens_per_step,
-            layout=LAYOUT,
-            jaxjob_version=package_versions()["jaxjob"],
+            **run_manifest(self.cfg, self.store.uri(""), status="running", version=version)
         )
         self.event("resume" if resume else "start", step=start_step, total_steps=total_steps)
+
+    def step_done(self, step: int, metrics: Any, provenance: dict, emit, *, sync: bool) -> None:
+        """Record a finished step; rows are fetched and written every `training.log_every`
+        steps, and at `sync` (before an eval, a save or the end), so the host rarely waits."""
+        self._pending.append((step, metrics, provenance))
+        if step % self.cfg.training.log_every == 0 or sync:
+            pending, self._pending = self._pending, []
+            self.last_row = self.flush_train_rows(pending, self.meter, emit) or self.last_row
 
     def flush_train_rows(self, pending: list, meter: Throughput, emit) -> dict | None:
         """Fetch the metrics of the steps since the last sync (one device_get: the sync point),
@@ -195,9 +194,8 @@ class RunArtifacts:
         if self.writer:
             self.store.append_jsonl(EVAL_METRICS, [row])
 
-    def finish(
-        self, status: str, step: int, last_row: dict | None, index: dict, wall_s: float, **extra
-    ) -> dict:
+    def finish(self, status: str, step: int, index: dict, wall_s: float, **extra) -> dict:
+        last_row = self.last_row
         summary = {
             "run_id": self.cfg.run.id,
             "status": status,

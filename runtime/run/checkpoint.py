@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from etils import epath
 
 from jobspec.errors import CheckpointError, StorageError
 from jobspec.storage import configure_gcs_env
+from runtime.run.meta import CheckpointMeta
 from runtime.run.store import ArtifactStore
 
 log = logging.getLogger(__name__)
@@ -99,12 +101,17 @@ class CheckpointService:
         async_save: bool = True,
         best_metric: str = "val_loss",
         read_only: bool = False,
+        every: int = 0,
+        last_step: int | None = None,
     ) -> None:
+        """`every`/`last_step` are the run's cadence (`checkpoint.every`, the final step):
+        `maybe_save` saves on every `every`-th step before the last, and on a final save."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         configure_gcs_env()
         self.store = store
         self.keep = keep
+        self.every, self.last_step = every, last_step
         self.best_metric = best_metric
         self.read_only = read_only
         self.directory = store.uri(CKPT_DIR)
@@ -204,13 +211,33 @@ class CheckpointService:
 
     # ---- save --------------------------------------------------------------------------------
 
+    def due(self, step: int) -> bool:
+        """Whether `step` is a periodic save (the final step's save is the caller's `final`)."""
+        before_last = self.last_step is None or step < self.last_step
+        return self.every > 0 and step % self.every == 0 and before_last
+
+    def maybe_save(
+        self,
+        step: int,
+        *,
+        params: Any,
+        opt_state: Any,
+        meta: Callable[[], CheckpointMeta],
+        metrics: dict[str, float] | None = None,
+        final: bool = False,
+    ) -> bool:
+        """Save `step` when it is due or `final`; `meta` is built only then. True if started."""
+        if not (final or self.due(step)):
+            return False
+        return self.save(step, params=params, opt_state=opt_state, meta=meta(), metrics=metrics)
+
     def save(
         self,
         step: int,
         *,
         params: Any,
         opt_state: Any,
-        meta: dict[str, Any],
+        meta: CheckpointMeta,
         metrics: dict[str, float] | None = None,
         force: bool = False,
     ) -> bool:
@@ -237,12 +264,12 @@ class CheckpointService:
             "step": step,
             "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "metrics": {k: float(v) for k, v in (metrics or {}).items()},
-            "fingerprint": meta.get("fingerprint", {}),
+            "fingerprint": meta.fingerprint,
         }
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(params),
             opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(meta),
+            meta=ocp.args.JsonSave(meta.to_json()),
             entry=ocp.args.JsonSave(entry),
         )
         try:
@@ -333,7 +360,7 @@ class CheckpointService:
 
     def restore(
         self, step: int, *, params_target: Any, opt_state_target: Any = None
-    ) -> tuple[Any, Any | None, dict[str, Any]]:
+    ) -> tuple[Any, Any | None, CheckpointMeta]:
         """(params, opt_state or None, meta) of a committed step; every host must call it.
 
         Targets are abstract pytrees (jax.ShapeDtypeStruct with .sharding) so arrays come back
@@ -353,7 +380,8 @@ class CheckpointService:
                 f"cannot restore checkpoint {step} from {self.directory}: {e}"
             ) from e
         opt_state = out["opt_state"] if opt_state_target is not None else None
-        return out["params"], opt_state, dict(out["meta"])
+        meta = CheckpointMeta.from_json(dict(out["meta"]), where=f"{self.directory}/{step}")
+        return out["params"], opt_state, meta
 
 
 def _index_doc(entries: dict[int, dict[str, Any]], best: int | None) -> dict[str, Any]:

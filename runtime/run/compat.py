@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from jobspec.errors import CheckpointError
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
@@ -44,6 +46,16 @@ def fingerprint(
     out[f"{TOPOLOGY}process_count"] = process_count
     _flatten(f"{TOPOLOGY}mesh", raw["mesh"], out)
     return out
+
+
+def run_fingerprint(cfg: RunConfig, manifest: Any) -> dict[str, Any]:
+    """The fingerprint of `cfg` training on `manifest` with this job's process count."""
+    return fingerprint(
+        cfg,
+        manifest_fingerprint=manifest.fingerprint,
+        tokenizer_id=manifest.tokenizer.id,
+        process_count=jax.process_count(),
+    )
 
 
 def check_compatible(

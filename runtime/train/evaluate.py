@@ -67,6 +67,17 @@ class Evaluator:
             "batches": len(got),
         }
 
+    def due(self, step: int) -> bool:
+        """Whether `step` is a periodic eval (`training.eval_every`; the final one is `final`)."""
+        t = self.cfg.training
+        return t.eval_every > 0 and step % t.eval_every == 0 and step < t.total_steps
+
+    def maybe_run(self, step: int, state, run_art, emit, *, final: bool = False) -> dict | None:
+        """Every configured eval when `step` is due, or at the end of a run that has evals."""
+        if self.due(step) or (final and self.cfg.evals):
+            return self.run(state.params, step, run_art, emit, state.model_state)
+        return None
+
     def run(
         self, params, step: int, run_art, emit, others: tuple | None = None
     ) -> dict[str, float]:

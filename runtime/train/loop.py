@@ -1,6 +1,6 @@
 """The host loop around the pure train step: data in, metrics and checkpoints out, signals.
 
-It owns I/O, timing and signals; all math lives in train_step.py. Every host runs this same
+It owns I/O, timing and signals; all math lives in step.py. Every host runs this same
 loop; host-global files go through the ArtifactStore, which only the writer may use for them.
 """
 
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jobspec.errors import CheckpointError, ConfigError
@@ -28,12 +27,19 @@ from runtime.model.build import build_model
 from runtime.model.sharding import batch_sharding, build_mesh, replicated
 from runtime.run import artifacts
 from runtime.run.checkpoint import CheckpointService, reconciled_entries
-from runtime.run.compat import check_compatible, fingerprint
+from runtime.run.compat import check_compatible, run_fingerprint
+from runtime.run.meta import CheckpointMeta
 from runtime.run.store import ArtifactStore
 from runtime.train.evaluate import Evaluator
-from runtime.train.metrics import Throughput
 from runtime.train.optim import build_optimizer
-from runtime.train.state import opt_state_shardings, others_from_saved
+from runtime.train.state import (
+    TrainState,
+    abstract_opt_state,
+    model_state_record,
+    new_state,
+    restored_state,
+    state_shardings,
+)
 from runtime.train.step import make_train_step
 
 
@@ -55,13 +61,14 @@ class Run:
     batches: TokenBatches
     evaluator: Evaluator
     step_fn: Callable
-    state: dict
+    state: TrainState
     start_step: int
     data_state: dict | None
     decay_steps: int
     fingerprint: dict
     batch_sharding: Any
     global_shape: tuple[int, int, int]
+    step: int = 0  # the last step completed in this attempt (what a failure is recorded at)
 
 
 def _emit(line: str) -> None:
@@ -97,66 +104,39 @@ def _open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[Ar
     return store, bool(resume)
 
 
-def _prepare(
-    cfg: RunConfig, source_toml: str, resume: bool, reshard: bool, store, ckpt, manifest, mesh
-) -> Run:
-    fp = fingerprint(
-        cfg,
-        manifest_fingerprint=manifest.fingerprint,
-        tokenizer_id=manifest.tokenizer.id,
-        process_count=jax.process_count(),
-    )
+def _initial_state(cfg: RunConfig, resume: bool, reshard: bool, ckpt, fp, parts, mesh):
+    """(state, shardings, start step, decay_steps, data state) for a fresh or resumed attempt."""
     total_steps = cfg.training.total_steps
-    start_step = ckpt.resolve("latest") if resume else 0
-    if resume:
-        # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.
-        check_compatible(ckpt.fingerprint(start_step), fp, step=start_step, reshard=reshard)
-
-    parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
     # The optimizer state's structure does not depend on the schedule length, so the shardings
     # can come from a provisional optimizer before a resumed run learns its decay_steps.
     provisional, _ = build_optimizer(
         cfg.optimizer, cfg.optimizer.schedule.decay_steps or total_steps
     )
-    o_sh = opt_state_shardings(provisional, parts.params, parts.param_shardings, mesh)
-    rep = replicated(mesh)
-    data_state = None
-    if resume:
-        abstract_opt = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            jax.eval_shape(provisional.init, parts.params),
-            o_sh,
-        )
-        params, opt_state, meta = ckpt.restore(
-            start_step, params_target=parts.params, opt_state_target=abstract_opt
-        )
-        rng = jax.device_put(np.asarray(meta["rng"], dtype=np.uint32), rep)
-        decay_steps = int(meta["decay_steps"])
-        saved = meta["data_state"]
-        data_state = saved.get(str(jax.process_index()), saved["0"])
-    else:
-        params = parts.params
-        opt_state = jax.jit(provisional.init, out_shardings=o_sh)(params)
-        rng = jax.device_put(jax.random.PRNGKey(cfg.run.seed), rep)
-        decay_steps = cfg.optimizer.schedule.decay_steps or total_steps
-    tx, schedule = build_optimizer(cfg.optimizer, decay_steps)
-    state = {
-        "params": params,
-        "opt_state": opt_state,
-        "step": jax.device_put(jnp.asarray(start_step, jnp.int32), rep),
-        "rng": rng,
-    }
-    state_sh = {"params": parts.param_shardings, "opt_state": o_sh, "step": rep, "rng": rep}
-    rate = cfg.model.router_bias_update_rate
-    if rate > 0:
-        # MoE routing biases move outside the gradient each step, so they are train state too
-        # (and are checkpointed in meta, see _save).
-        others = parts.others
-        if resume and "router_bias" in meta:
-            others = others_from_saved(parts.others, meta["router_bias"], rep)
-        state["others"] = others
-        state_sh["others"] = jax.tree.map(lambda _: rep, others)
+    shardings = state_shardings(parts, provisional, mesh)
+    if not resume:
+        state = new_state(parts, provisional, shardings, cfg.run.seed)
+        return state, shardings, 0, cfg.optimizer.schedule.decay_steps or total_steps, None
+    start_step = ckpt.resolve("latest")
+    # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.
+    check_compatible(ckpt.fingerprint(start_step), fp, step=start_step, reshard=reshard)
+    params, opt_state, meta = ckpt.restore(
+        start_step,
+        params_target=parts.params,
+        opt_state_target=abstract_opt_state(provisional, parts.params, shardings),
+    )
+    state = restored_state(parts, params, opt_state, meta, shardings)
+    return state, shardings, start_step, meta.decay_steps, meta.data_state_for(jax.process_index())
 
+
+def _prepare(
+    cfg: RunConfig, source_toml: str, resume: bool, reshard: bool, store, ckpt, manifest, mesh
+) -> Run:
+    fp = run_fingerprint(cfg, manifest)
+    parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
+    state, state_sh, start_step, decay_steps, data_state = _initial_state(
+        cfg, resume, reshard, ckpt, fp, parts, mesh
+    )
+    tx, schedule = build_optimizer(cfg.optimizer, decay_steps)
     t = cfg.training
     batches = train_batches(
         manifest, cfg.data, t, cfg.run.seed, jax.process_index(), jax.process_count()
@@ -165,22 +145,21 @@ def _prepare(
     step_fn = jax.jit(
         make_train_step(
             parts.graphdef,
-            parts.others,
             tx,
             schedule,
             objective=t.objective,
             pg_clip_epsilon=t.pg_clip_epsilon,
-            router_bias_update_rate=rate,
+            router_bias_update_rate=cfg.model.router_bias_update_rate,
         ),
         in_shardings=(state_sh, b_sh),
-        out_shardings=(state_sh, rep),
+        out_shardings=(state_sh, replicated(mesh)),
         donate_argnums=0,
     )
     art = artifacts.RunArtifacts(store, cfg, source_toml)
     art.start(
         resume=resume,
         start_step=start_step,
-        total_steps=total_steps,
+        total_steps=t.total_steps,
         diagnostics=artifacts.runtime_diagnostics(
             cfg, mesh, manifest, batches, parts.param_shardings
         ),
@@ -190,6 +169,7 @@ def _prepare(
         evaluator=Evaluator(cfg, manifest, parts, mesh), step_fn=step_fn, state=state,
         start_step=start_step, data_state=data_state, decay_steps=decay_steps, fingerprint=fp,
         batch_sharding=b_sh, global_shape=(t.gradient_accumulation_steps, t.global_batch_size, t.seq_len),
+        step=start_step,
     )  # fmt: skip
 
 
@@ -215,7 +195,13 @@ def train(
     manifest = ensure_manifest(cfg.data, is_writer=store.is_writer)
     check_for_run(manifest, cfg.data, cfg.model.vocab_size, cfg.training)
     mesh = build_mesh(cfg.mesh)
-    ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
+    ckpt = CheckpointService(
+        store,
+        keep=cfg.checkpoint.keep,
+        async_save=cfg.checkpoint.async_,
+        every=cfg.checkpoint.every,
+        last_step=cfg.training.total_steps,
+    )
     try:
         run = _prepare(cfg, source_toml, resume, reshard, store, ckpt, manifest, mesh)
     except BaseException:
@@ -234,44 +220,42 @@ def train(
         attempt=info.attempt if info else 0,
     )
     watchdog.start()
-    step = run.start_step
     try:
-        result = _loop(run, stop, max_steps, emit, t_start)
+        status = _loop(run, stop, max_steps, emit, t_start)
+        result = _finish(run, status, stop, emit, t_start)
         watchdog.mark_done()
         return result
     except BaseException as e:
         # A collective that failed because a peer died: let the watchdog name the lost host.
         watchdog.explain_failure(e)
-        # What was committed stays; the failure is recorded; a half-save never becomes latest.
-        run.art.fail(step, e)
+        # What was committed stays; the failure is recorded at the step it happened after; a
+        # half-save never becomes latest.
+        run.art.fail(run.step, e)
         raise
     finally:
         stop.restore()
         ckpt.close()
 
 
-def _loop(
-    run: Run, stop: StopAgreement, max_steps: int | None, emit, t_start: float
-) -> TrainResult:
-    cfg, t = run.cfg, run.cfg.training
-    total_steps = t.total_steps
+def _loop(run: Run, stop: StopAgreement, max_steps: int | None, emit, t_start: float) -> str:
+    """Steps until the end, `max_steps` or an agreed stop; returns how it ended.
+
+    The loop only says "a step is done": the artifacts decide when to write rows, the evaluator
+    when to evaluate, the checkpoint service when to save.
+    """
+    total_steps = run.cfg.training.total_steps
     end_step = total_steps if max_steps is None else min(total_steps, run.start_step + max_steps)
-    meter = Throughput(t.tokens_per_step, run.art.flops_per_token, run.art.job_peak_flops)
-    pending: list[tuple[int, dict, dict]] = []  # (step, device metrics, provenance) until next sync
-    last_row: dict | None = None
-    step = run.start_step
     with run.batches.iterate(run.start_step) as it:
         if run.data_state is not None:
             it.set_state(run.data_state)
-        while step < end_step:
+        while run.step < end_step:
             item = next(it)
             batch = {
                 k: jax.make_array_from_process_local_data(run.batch_sharding, v, run.global_shape)
                 for k, v in item.batch.items()
             }
             run.state, m = run.step_fn(run.state, batch)
-            step += 1
-            pending.append((step, m, item.provenance))
+            run.step = step = run.step + 1
             if step == run.start_step + 1:
                 # The first step of an attempt includes compilation: time it alone, then start
                 # the throughput clock, so tokens/s measures steady-state steps only.
@@ -279,85 +263,75 @@ def _loop(
                 run.art.event(
                     "first_step", step=step, seconds_since_start=time.perf_counter() - t_start
                 )
-                meter.mark(step)
+                run.art.meter.mark(step)
             run.ckpt.poll()
             stopping = stop.should_stop(step)  # every host agrees on the same step
-            last = step == end_step or stopping
-            eval_now = t.eval_every > 0 and step % t.eval_every == 0 and step < total_steps
-            save_now = (
-                cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0 and step < total_steps
+            pause = run.evaluator.due(step) or run.ckpt.due(step)
+            run.art.step_done(
+                step, m, item.provenance, emit, sync=pause or stopping or step == end_step
             )
-            if step % t.log_every == 0 or last or eval_now or save_now:
-                last_row = run.art.flush_train_rows(pending, meter, emit) or last_row
-                pending = []
-            eval_metrics = (
-                run.evaluator.run(run.state["params"], step, run.art, emit, run.state.get("others"))
-                if eval_now
-                else None
-            )
-            if save_now:
-                _save(run, step, eval_metrics)
-            if eval_now or save_now:
-                meter.mark(step)  # eval and save time is not training throughput
+            eval_metrics = run.evaluator.maybe_run(step, run.state, run.art, emit)
+            _save(run, eval_metrics)
+            if pause:
+                run.art.meter.mark(step)  # eval and save time is not training throughput
             if stopping:
-                break
+                return "interrupted"
+    return "completed" if run.step == total_steps else "stopped"
 
-    wall = time.perf_counter() - t_start
-    if stop.stop_step is not None:
-        name = stop.reason or "signal"
-        if cfg.checkpoint.on_signal:
-            _save(run, step, None)
-            run.ckpt.wait()
-        emit(
-            f"{name} received: stopped at step {step}"
-            + (", checkpoint saved" if cfg.checkpoint.on_signal else "")
-        )
-        summary = run.art.finish(
-            "interrupted", step, last_row, run.ckpt.read_index(), wall, signal=name
-        )
-        return TrainResult("interrupted", EXIT_RESTARTABLE, summary)
-    if step < total_steps:  # --max-steps reached
-        _save(run, step, None)
+
+def _finish(run: Run, status: str, stop: StopAgreement, emit, t_start: float) -> TrainResult:
+    """The one way a run ends: final evals, final save, wait for it, summary, exit code."""
+    cfg, step = run.cfg, run.step
+    extra: dict[str, Any] = {}
+    save = status != "interrupted" or cfg.checkpoint.on_signal
+    eval_metrics = (
+        run.evaluator.maybe_run(step, run.state, run.art, emit, final=True)
+        if status == "completed"
+        else None
+    )
+    if save:
+        _save(run, eval_metrics, final=True)
         run.ckpt.wait()
+    if status == "interrupted":
+        extra["signal"] = name = stop.reason or "signal"
+        emit(f"{name} received: stopped at step {step}" + (", checkpoint saved" if save else ""))
+    elif status == "stopped":
         emit(
             f"stopped after {step - run.start_step} steps (--max-steps) at step {step}, checkpoint saved"
         )
-        summary = run.art.finish("stopped", step, last_row, run.ckpt.read_index(), wall)
-        return TrainResult("stopped", 0, summary)
-    eval_metrics = (
-        run.evaluator.run(run.state["params"], step, run.art, emit, run.state.get("others"))
-        if cfg.evals
-        else None
-    )
-    _save(run, step, eval_metrics)
-    run.ckpt.wait()
     summary = run.art.finish(
-        "completed", step, last_row, run.ckpt.read_index(), time.perf_counter() - t_start
+        status, step, run.ckpt.read_index(), time.perf_counter() - t_start, **extra
     )
-    return TrainResult("completed", 0, summary)
+    return TrainResult(status, EXIT_RESTARTABLE if status == "interrupted" else 0, summary)
 
 
-def _save(run: Run, step: int, eval_metrics: dict[str, float] | None) -> None:
-    meta = {
-        "step": step,
-        "tokens": step * run.cfg.training.tokens_per_step,
-        "rng": np.asarray(jax.device_get(run.state["rng"])).tolist(),
-        "decay_steps": run.decay_steps,
-        # The loader's state is process-count independent; each process records its own.
-        "data_state": {str(jax.process_index()): run.batches.state_for(step)},
-        "fingerprint": run.fingerprint,
-        "config": resolved_dict(run.cfg),
-    }
-    if "others" in run.state:  # MoE router biases: small fp32 vectors, exact through JSON
-        meta["router_bias"] = [
-            np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(run.state["others"]))
-        ]
-    metrics = {"val_loss": eval_metrics[run.cfg.evals[0].name]} if eval_metrics else None
-    if run.ckpt.save(
+def _save(run: Run, eval_metrics: dict[str, float] | None, *, final: bool = False) -> None:
+    """Hand the checkpoint service this step; it saves when the step is due, or when final."""
+    step, cfg = run.step, run.cfg
+
+    def meta() -> CheckpointMeta:
+        return CheckpointMeta(
+            step=step,
+            tokens=step * cfg.training.tokens_per_step,
+            rng=np.asarray(jax.device_get(run.state.rng)).tolist(),
+            decay_steps=run.decay_steps,
+            config=resolved_dict(cfg),
+            fingerprint=run.fingerprint,
+            # The loader's state is process-count independent; each process records its own.
+            data_state={str(jax.process_index()): run.batches.state_for(step)},
+            # Router biases move outside the gradient, so they are saved when training moves them.
+            model_state=model_state_record(run.state)
+            if cfg.model.router_bias_update_rate > 0
+            else None,
+        )
+
+    metrics = {"val_loss": eval_metrics[cfg.evals[0].name]} if eval_metrics else None
+    if run.ckpt.maybe_save(
         step,
-        params=run.state["params"],
-        opt_state=run.state["opt_state"],
+        params=run.state.params,
+        opt_state=run.state.opt_state,
         meta=meta,
         metrics=metrics,
+        final=final,
     ):
         run.art.event("checkpoint", step=step, metrics=metrics)

@@ -1,6 +1,6 @@
 """The pure train and eval steps: (state, batch) -> (state, metrics). No I/O, no timing.
 
-The train state is a plain pytree: {"params", "opt_state", "step", "rng"}. A batch holds arrays
+The train state is a `TrainState` (train/state.py). A batch holds arrays
 shaped [accum, rows, seq_len]; microbatches are scanned, their gradients of the *summed* loss
 added, and the total divided once by the global count of counted tokens, so accumulation over
 k microbatches gives the same update as one batch k times larger.
@@ -8,10 +8,10 @@ k microbatches gives the same update as one batch k times larger.
 clipped_pg: metrics add `pg_clip_fraction`, the share of counted tokens whose probability ratio
 was clipped (their gradient is zero).
 
-MoE (family "qwen3_moe"): metrics add `expert_load_max_over_mean`. With router_bias_update_rate
-> 0 the state must also carry "others" (the non-Param model state, `ModelParts.others`, holding
-each layer's RouterBias): the step then reads the model's non-Param state from there instead of
-the closed-over `others` and returns it with every bias moved by rate * sign(mean_load - load).
+The model runs with the state's `model_state` (the non-Param model state). For a model with
+expert routing, metrics add `expert_load_max_over_mean`, and with router_bias_update_rate > 0
+the step returns the model state with every layer's RouterBias moved by
+rate * sign(mean_load - load).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from flax import nnx
 
 from runtime.model.moe import load_max_over_mean, update_router_bias
 from runtime.train.loss import clipped_pg_sums, cross_entropy_sums
+from runtime.train.state import TrainState
 
 Batch = dict[str, jax.Array]
-State = dict[str, Any]
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 # Extra per-token float32 arrays a clipped_pg batch carries, shaped like the others.
 PG_BATCH_KEYS = ("advantages", "old_logprobs")
@@ -71,13 +71,12 @@ def _sums_of(
 
 def make_train_step(
     graphdef: nnx.GraphDef,
-    others: tuple,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
     objective: str = "cross_entropy",
     pg_clip_epsilon: float = 0.2,
     router_bias_update_rate: float = 0.0,
-) -> Callable[[State, Batch], tuple[State, dict[str, jax.Array]]]:
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The jit-able train step. With objective="clipped_pg" every batch also carries
     PG_BATCH_KEYS (float32 [accum, rows, seq_len]) and the loss is the clipped policy gradient."""
     if objective not in OBJECTIVES:
@@ -96,16 +95,11 @@ def make_train_step(
         )
         return jax.value_and_grad(loss, has_aux=True)(params, mb)
 
-    def train_step(state: State, batch: Batch) -> tuple[State, dict[str, jax.Array]]:
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         if objective == "clipped_pg" and (missing := [k for k in PG_BATCH_KEYS if k not in batch]):
             raise ValueError(f"a clipped_pg batch needs {missing} alongside {BATCH_KEYS}")
-        if rate > 0 and "others" not in state:
-            raise ValueError(
-                "router_bias_update_rate > 0 needs the non-Param model state in the train state "
-                'as state["others"] (ModelParts.others), so the router biases can be updated'
-            )
-        params = state["params"]
-        model_others = state.get("others", others)
+        params = state.params
+        model_others = state.model_state
 
         def micro(carry, mb):
             grads, loss_sum, count, clipped = carry
@@ -120,32 +114,31 @@ def make_train_step(
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        updates, opt_state = tx.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        rng, _ = jax.random.split(state["rng"])
+        rng, _ = jax.random.split(state.rng)
         metrics = {
             "loss": loss_sum / denom,
             "loss_sum": loss_sum,
             "token_count": count,
             "grad_norm": grad_norm,
             "param_norm": optax.tree.norm(new_params),
-            "lr": schedule(state["step"]),
+            "lr": schedule(state.step),
         }
         if objective == "clipped_pg":  # share of counted tokens whose probability ratio was clipped
             metrics["pg_clip_fraction"] = clipped / denom
-        new_state = {
-            "params": new_params,
-            "opt_state": opt_state,
-            "step": state["step"] + 1,
-            "rng": rng,
-        }
         if loads is not None:  # MoE: loads [accum, L, E]; every microbatch has the same tokens
             loads = jax.lax.stop_gradient(jnp.mean(loads, axis=0))
             metrics["expert_load_max_over_mean"] = load_max_over_mean(loads)
             if rate > 0:
                 model_others = update_router_bias(model_others, loads, rate)
-        if "others" in state:
-            new_state["others"] = model_others
+        new_state = TrainState(
+            params=new_params,
+            opt_state=opt_state,
+            step=state.step + 1,
+            rng=rng,
+            model_state=model_others,
+        )
         return new_state, metrics
 
     return train_step

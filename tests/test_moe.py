@@ -254,6 +254,11 @@ def test_update_router_bias_moves_toward_balance() -> None:
     np.testing.assert_allclose(np.asarray(merged.layers[1].mlp.router_bias[...]), 0.0)
 
 
+def _unsharded_state(params, others, tx) -> TrainState:
+    return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
+                      rng=jax.random.PRNGKey(0), model_state=(others,))  # fmt: skip
+
+
 def _skewed_run(rate: float, steps: int = 50) -> tuple[float, float, np.ndarray]:
     """Train a model whose router sends (almost) every token to expert 0; -> (first, final mean of
     the last 10 steps' expert_load_max_over_mean, final biases [L, E])."""
@@ -269,13 +274,7 @@ def _skewed_run(rate: float, steps: int = 50) -> tuple[float, float, np.ndarray]
         layer.mlp.gate.kernel[...] = w.at[:, 0].add(3.5 / d)
     graphdef, params, others = nnx.split(model, nnx.Param, ...)
     tx = optax.adam(1e-3)
-    state = TrainState(
-        params=params,
-        opt_state=tx.init(params),
-        step=jnp.zeros((), jnp.int32),
-        rng=jax.random.PRNGKey(0),
-        model_state=(others,),
-    )
+    state = _unsharded_state(params, others, tx)
     step_fn = jax.jit(
         make_train_step(
             graphdef,
@@ -321,13 +320,7 @@ def test_dense_has_no_load_metric_and_keeps_its_empty_model_state() -> None:
     )
     graphdef, params, others = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     tx = optax.sgd(0.1)
-    state = TrainState(
-        params=params,
-        opt_state=tx.init(params),
-        step=jnp.zeros((), jnp.int32),
-        rng=jax.random.PRNGKey(0),
-        model_state=(others,),
-    )
+    state = _unsharded_state(params, others, tx)
     ones = jnp.ones((1, 2, 8), jnp.int32)
     batch = {
         "inputs": ones,

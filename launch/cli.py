@@ -31,8 +31,8 @@ EXIT_RUN_FAILED = 1  # `--wait`: the run ended failed or cancelled
 
 # name: (module, class, pip extra that brings its client library)
 BACKENDS: dict[str, tuple[str, str, str | None]] = {
-    "local": ("launch.local", "LocalBackend", None),
-    "slurm": ("launch.slurm", "SlurmBackend", None),
+    "local": ("launch.backends.local", "LocalBackend", None),
+    "slurm": ("launch.backends.slurm", "SlurmBackend", None),
     "k8s": ("k8s.backend", "K8sBackend", "k8s"),
 }
 

@@ -20,7 +20,7 @@ from jobspec.load import merge
 from jobspec.load_job import load_job
 from launch import cli as launch_cli
 from launch.backend import Handle
-from launch.local import LocalBackend
+from launch.backends.local import LocalBackend
 from launch.registry import Registry
 
 from runs import read_jsonl, tiny_config
@@ -228,7 +228,9 @@ def fake_run(tmp: Path, script: str, hosts: int = 2, max_restarts: int = 2) -> P
 
 def supervise(run_dir: Path) -> tuple[int, dict]:
     rc = subprocess.run(
-        [sys.executable, "-m", "launch.local", "supervise", str(run_dir)], cwd=ROOT, timeout=60
+        [sys.executable, "-m", "launch.backends.local", "supervise", str(run_dir)],
+        cwd=ROOT,
+        timeout=60,
     ).returncode
     return rc, json.loads((run_dir / "supervisor.json").read_text())
 
@@ -323,7 +325,7 @@ def test_secret_reference_comes_from_the_shell(tmp_path, state):
 
 
 def test_launch_never_imports_jax():
-    code = "import launch.cli, launch.local, launch.progress, sys; assert 'jax' not in sys.modules"
+    code = "import launch.cli, launch.backends.local, launch.backends.slurm, launch.progress, sys; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

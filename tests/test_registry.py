@@ -10,7 +10,7 @@ import pytest
 
 from jobspec.errors import JaxjobError
 from launch.backend import Handle, tail_lines
-from launch.local import LocalBackend
+from launch.backends.local import LocalBackend
 from launch.registry import Registry, RunRecord, state_root, write_json_atomic
 from launch.runid import is_run_id, new_run_id
 

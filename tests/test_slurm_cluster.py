@@ -21,7 +21,8 @@ import yaml
 
 from jobspec.job_spec import JobSpec
 from launch.backend import Handle, Submission
-from launch.slurm import SlurmBackend, render_script
+from launch.backends.slurm import SlurmBackend
+from launch.backends.slurm.render import render_script
 
 from runs import read_jsonl, tiny_config
 

@@ -18,9 +18,9 @@ import tomli_w
 from jobspec.errors import ConfigError
 from jobspec.job_spec import JobSpec
 from jobspec.load_job import load_job, run_with_id
-from launch import slurm
 from launch.backend import Handle, Submission
-from launch.slurm import SlurmBackend, render_script
+from launch.backends.slurm import SlurmBackend, submit
+from launch.backends.slurm.render import CANCEL_MARK, render_script
 
 HERE = Path(__file__).resolve().parent
 SPECS, GOLDEN = HERE / "slurm_specs", HERE / "golden" / "slurm"
@@ -211,7 +211,7 @@ def _fake_scontrol(monkeypatch, text: str | None) -> None:
             return subprocess.CompletedProcess(cmd, 1, "", "slurm_load_jobs error: Invalid job id")
         return subprocess.CompletedProcess(cmd, 0, text, "")
 
-    monkeypatch.setattr(slurm, "_run", run)
+    monkeypatch.setattr(submit, "_run", run)
 
 
 @pytest.mark.parametrize(
@@ -268,7 +268,7 @@ def test_logs_prefix_tail_and_follow(tmp_path, monkeypatch):
     states = iter(["RUNNING", "RUNNING", "COMPLETED"])
     texts = iter([SCONTROL.format(state=s, reason="None", restarts=0, code=0) for s in states])
     monkeypatch.setattr(
-        slurm, "_run", lambda cmd, **_: subprocess.CompletedProcess(cmd, 0, next(texts), "")
+        submit, "_run", lambda cmd, **_: subprocess.CompletedProcess(cmd, 0, next(texts), "")
     )
     lines = []
     for line in backend.logs(h, host=1, follow=True):
@@ -295,13 +295,13 @@ def test_cancel_sends_term_and_leaves_the_escalation_to_a_detached_process(tmp_p
         def __init__(self, cmd, **kw):
             spawned.append({"cmd": cmd, **kw})
 
-    monkeypatch.setattr(slurm, "_run", run)
-    monkeypatch.setattr(slurm.subprocess, "Popen", Popen)
+    monkeypatch.setattr(submit, "_run", run)
+    monkeypatch.setattr(submit.subprocess, "Popen", Popen)
     SlurmBackend().cancel(h)  # `launch cancel` without --wait: returns at once
     assert [c[0] for c in calls] == ["scontrol", "scancel"] and calls[1][1] == "--signal=TERM"
-    assert (tmp_path / slurm.CANCEL_MARK).exists()
+    assert (tmp_path / CANCEL_MARK).exists()
     (p,) = spawned
-    assert p["cmd"][2:4] == ["launch.slurm", "escalate"] and p["cmd"][-1] == "60.0"
+    assert p["cmd"][2:4] == ["launch.backends.slurm", "escalate"] and p["cmd"][-1] == "60.0"
     assert p["start_new_session"] and json.loads(p["cmd"][4])["job_id"] == "7"
 
     # The detached process (or wait=True): the job outlives the grace, so it is scancelled.
@@ -318,6 +318,6 @@ def test_cancel_without_grace_scancels_at_once(tmp_path, monkeypatch):
         text = SCONTROL.format(state="RUNNING", reason="None", restarts=0, code=0)
         return subprocess.CompletedProcess(cmd, 0, text if cmd[0] == "scontrol" else "", "")
 
-    monkeypatch.setattr(slurm, "_run", run)
+    monkeypatch.setattr(submit, "_run", run)
     SlurmBackend().cancel(_handle(tmp_path), grace_s=0)
     assert calls[-2:] == [["scancel", "--signal=TERM", "7"], ["scancel", "7"]]

@@ -1,8 +1,8 @@
 """The local backend's supervisor: runs one job's host processes and restarts the group.
 
-Started detached by `LocalBackend.submit` as `python -m launch.local supervise <run dir>`. It reads
-`plan.json` (what render shows as hosts.json), and for each attempt n starts every host with the
-env contract (a fresh coordinator port, JAXJOB_ATTEMPT=n), each writing
+Started detached by `LocalBackend.submit` as `python -m launch.backends.local supervise <run
+dir>`. It reads `plan.json` (what render shows as hosts.json), and for each attempt n starts every
+host with the env contract (a fresh coordinator port, JAXJOB_ATTEMPT=n), each writing
 `logs/attempt-<n>/host-<i>.log`. It keeps `supervisor.json` current (atomic rewrites), which
 `launch status` reads.
 

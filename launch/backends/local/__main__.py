@@ -1,0 +1,19 @@
+"""The local supervisor's entry point: `python -m launch.backends.local supervise RUN_DIR`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from launch.backends.local.supervisor import supervise
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "supervise":
+        print("usage: python -m launch.backends.local supervise RUN_DIR", file=sys.stderr)
+        return 2
+    return supervise(Path(argv[1]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

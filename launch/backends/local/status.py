@@ -1,0 +1,169 @@
+"""A local run's state and host logs, read from the supervisor's files and the process table."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from launch.backend import TERMINAL, Handle, tail_lines
+from launch.backends.local.supervisor import CANCEL_FILE, STATE_FILE, SUPERVISOR_LOG
+from launch.registry import read_json
+
+# In the supervisor's command line (`python -m launch.backends.local supervise ...`).
+SUPERVISOR_MODULE = "launch.backends.local"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (possibly owned by someone else)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, owned by someone else
+    return True
+
+
+def is_supervisor(pid: int | None) -> bool:
+    """Whether `pid` is a live supervisor (not a zombie, not a recycled pid)."""
+    if not pid or not pid_alive(pid):
+        return False
+    proc = Path(f"/proc/{pid}")
+    if not proc.exists():
+        return True  # no procfs (macOS): the signal check is all there is
+    try:
+        stat = (proc / "stat").read_text()
+        cmdline = (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and SUPERVISOR_MODULE.encode() in cmdline
+
+
+def _not_started(run_dir: Path, pid: int | None, alive: bool, cancel_asked: bool) -> dict[str, Any]:
+    """Status before the supervisor wrote its first state."""
+    if alive:
+        return {"state": "pending", "detail": "the supervisor is starting", "pid": pid}
+    return {
+        "state": "cancelled" if cancel_asked else "failed",
+        "detail": f"the supervisor (pid {pid}) exited before starting the hosts; "
+        f"see {run_dir / SUPERVISOR_LOG}",
+        "pid": pid,
+    }
+
+
+def status(handle: Handle) -> dict[str, Any]:
+    """The run's state, from supervisor.json and whether the supervisor still lives."""
+    run_dir = Path(handle.data["run_dir"])
+    pid = handle.data.get("pid")
+    st = read_json(run_dir / STATE_FILE)
+    cancel_asked = (run_dir / CANCEL_FILE).exists()
+    if st is None:
+        return _not_started(run_dir, pid, is_supervisor(pid), cancel_asked)
+    out = {
+        "state": st["state"],
+        "detail": st["detail"],
+        "pid": st["pid"],
+        "attempt": st["attempt"],
+        "restarts": st["restarts"],
+        "max_restarts": st["max_restarts"],
+        "hosts": st["hosts"],
+        "log_dir": str(run_dir / "logs"),
+        "supervisor_log": str(run_dir / SUPERVISOR_LOG),
+    }
+    if st["state"] in ("starting", "restarting"):
+        out["state"] = "pending"
+    elif st["state"] == "stopping":
+        out["state"] = "running"
+    if out["state"] not in TERMINAL and not is_supervisor(st["pid"]):
+        out["state"] = "cancelled" if cancel_asked else "failed"
+        out["detail"] = (
+            f"the supervisor (pid {st['pid']}) is gone while the run was {st['state']}; "
+            f"see {run_dir / SUPERVISOR_LOG}"
+        )
+    return out
+
+
+def _attempt_dirs(log_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    for d in log_dir.glob("attempt-*"):
+        suffix = d.name.removeprefix("attempt-")
+        if suffix.isdigit():
+            found.append((int(suffix), d))
+    return sorted(found)
+
+
+def _host_files(attempt_dir: Path, host: int | None) -> list[tuple[int, Path]]:
+    found = []
+    for f in attempt_dir.glob("host-*.log"):
+        suffix = f.stem.removeprefix("host-")
+        if suffix.isdigit() and (host is None or int(suffix) == host):
+            found.append((int(suffix), f))
+    return sorted(found)
+
+
+def logs(handle: Handle, *, host: int | None, follow: bool, tail: int | None) -> Iterator[str]:
+    """Every attempt's host log lines, prefixed `[host N] `; with follow, until the run ends."""
+    log_dir = Path(handle.data["run_dir"]) / "logs"
+    if not follow:
+        yield from _read_all(log_dir, host, tail)
+        return
+    yield from _follow(handle, log_dir, host, tail)
+
+
+def _read_all(log_dir: Path, host: int | None, tail: int | None) -> Iterator[str]:
+    lines: list[tuple[int, str]] = []  # (host, line) in attempt order
+    for _, d in _attempt_dirs(log_dir):
+        for i, f in _host_files(d, host):
+            lines += [(i, ln) for ln in f.read_text(errors="replace").splitlines()]
+    if tail is not None:
+        # Like `kubectl logs --tail`: the last K lines of each host, in the order written.
+        per_host: dict[int, list[int]] = {}
+        for k, (i, _) in enumerate(lines):
+            per_host.setdefault(i, []).append(k)
+        keep = {k for ks in per_host.values() for k in tail_lines(ks, tail)}
+        lines = [x for k, x in enumerate(lines) if k in keep]
+    for i, ln in lines:
+        yield f"[host {i}] {ln}"
+
+
+def _new_data(f: Path, offsets: dict[Path, int]) -> bytes:
+    """The bytes appended to `f` since the last read (its offset is then moved on)."""
+    with open(f, "rb") as fh:
+        fh.seek(offsets.get(f, 0))
+        data = fh.read()
+    offsets[f] = offsets.get(f, 0) + len(data)
+    return data
+
+
+def _follow(handle: Handle, log_dir: Path, host: int | None, tail: int | None) -> Iterator[str]:
+    """Stream new lines of every attempt's host logs until the run has ended."""
+    offsets: dict[Path, int] = {}
+    partial: dict[Path, bytes] = {}
+    if tail is not None:  # start from the last K lines, then follow
+        yield from _read_all(log_dir, host, tail)
+        for _, d in _attempt_dirs(log_dir):
+            for _, f in _host_files(d, host):
+                offsets[f] = f.stat().st_size
+    while True:
+        ended = status(handle)["state"] in TERMINAL  # before reading: no line is lost
+        got = False
+        for _, d in _attempt_dirs(log_dir):
+            for i, f in _host_files(d, host):
+                data = _new_data(f, offsets)
+                if not data:
+                    continue
+                got = True
+                *complete, rest = (partial.pop(f, b"") + data).split(b"\n")
+                if rest:
+                    partial[f] = rest
+                for ln in complete:
+                    yield f"[host {i}] {ln.decode(errors='replace')}"
+        if ended and not got:
+            for f, rest in partial.items():
+                yield f"[host {f.stem.removeprefix('host-')}] {rest.decode(errors='replace')}"
+            return
+        if not got:
+            time.sleep(0.2)

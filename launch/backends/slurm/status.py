@@ -1,0 +1,128 @@
+"""A SLURM run's state (from scontrol, or the batch shell's own record) and its host logs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from launch.backend import Handle, tail_lines
+from launch.backends.slurm.render import RunDir
+from launch.backends.slurm.submit import FAILED, PENDING, RUNNING, JobRecord, job_record
+
+
+def status(handle: Handle) -> dict[str, Any]:
+    """{"state", "detail", ...}: scontrol's view while it knows the job, then the run files'."""
+    rd = RunDir(Path(handle.data["workdir"]))
+    job = job_record(handle)
+    cancelled = rd.cancel_mark.exists()
+    base = {"job_id": handle.data["job_id"], "workdir": str(rd.root), "logs": str(rd.logs)}
+    if job is None:
+        return {**base, **_from_result(rd, cancelled, handle.data["job_id"])}
+    info = {**base, "slurm_state": job.state, "reason": job.reason, "attempt": job.restarts,
+            "exit_code": job.exit_code}  # fmt: skip
+    return {**info, **_from_record(job, rd, cancelled)}
+
+
+def _from_record(job: JobRecord, rd: RunDir, cancelled: bool) -> dict[str, str]:
+    """State and detail of a job slurmctld still knows."""
+    last = _last_batch_line(rd)
+    if job.state in PENDING:
+        why = f"requeued, attempt {job.restarts}" if job.restarts else "waiting"
+        return {"state": "pending", "detail": f"{job.state.lower()} ({why}; reason {job.reason})"}
+    if job.state in RUNNING:
+        detail = f"{job.state.lower()} on {job.nodes}, attempt {job.restarts}"
+        if cancelled:
+            detail += "; cancel requested, hosts are checkpointing"
+        return {"state": "running", "detail": detail}
+    if job.state == "COMPLETED":
+        return {"state": "succeeded", "detail": last or "every host finished"}
+    code = f"exit code {job.exit_code}" + (f", signal {job.signal}" if job.signal else "")
+    if job.state == "CANCELLED" or cancelled:
+        return {"state": "cancelled", "detail": f"cancelled ({code}); {last}".rstrip("; ")}
+    if job.state in FAILED:
+        return {"state": "failed", "detail": f"{job.state.lower()} ({code}); {last}".rstrip("; ")}
+    return {"state": "unknown", "detail": f"SLURM state {job.state}"}
+
+
+def _last_batch_line(rd: RunDir) -> str:
+    """The batch shell's last `jaxjob:` line: why the job ended as it did."""
+    try:
+        lines = (rd.logs / "batch.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next(
+        (ln.removeprefix("jaxjob: ") for ln in reversed(lines) if ln.startswith("jaxjob: ")), ""
+    )
+
+
+def _from_result(rd: RunDir, cancelled: bool, job_id: str) -> dict[str, Any]:
+    """State after slurmctld forgot the job: the batch shell's own record of how it ended."""
+    try:
+        code, attempt = (int(x) for x in rd.result.read_text().split()[:2])
+    except (OSError, ValueError):
+        return {"state": "unknown", "detail": f"SLURM no longer knows job {job_id} and it left no "
+                f"result in {rd.root}; see {rd.logs / 'batch.log'}"}  # fmt: skip
+    last = _last_batch_line(rd)
+    info = {"exit_code": code, "attempt": attempt}
+    if code == 0:
+        return {**info, "state": "succeeded", "detail": last or "every host finished"}
+    state = "cancelled" if cancelled else "failed"
+    return {**info, "state": state, "detail": f"exit code {code}; {last}".rstrip("; ")}
+
+
+class _LineReader:
+    """Complete lines appended to a file since the last read (the file may not exist yet)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def read_lines(self, *, final: bool = True) -> list[str]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        *lines, self.partial = data.split(b"\n")
+        if final and self.partial:
+            lines.append(self.partial)
+            self.partial = b""
+        return [ln.decode(errors="replace").rstrip("\r") for ln in lines]
+
+
+def _hosts(handle: Handle, rd: RunDir, host: int | None) -> list[int]:
+    """The hosts whose logs to read: one, all the handle names, or those with a log file."""
+    if host is not None:
+        return [host]
+    if "hosts" in handle.data:
+        return list(range(int(handle.data["hosts"])))
+    found = (p.stem.removeprefix("host-") for p in rd.logs.glob("host-*.log"))
+    return sorted(int(n) for n in found if n.isdigit())
+
+
+def logs(
+    handle: Handle, *, host: int | None, follow: bool, tail: int | None, poll_s: float
+) -> Iterator[str]:
+    """Each host's log lines, prefixed `[host N] ` (no trailing newline). Without follow, host
+    by host; with follow, as they are written, until the job has ended."""
+    rd = RunDir(Path(handle.data["workdir"]))
+    readers = {h: _LineReader(rd.host_log(h)) for h in _hosts(handle, rd, host)}
+    for h, r in readers.items():
+        lines = r.read_lines(final=not follow)
+        for line in tail_lines(lines, tail):
+            yield f"[host {h}] {line}"
+    while follow:
+        done = status(handle)["state"] not in ("pending", "running")
+        got = False
+        for h, r in readers.items():
+            for line in r.read_lines(final=done):
+                got = True
+                yield f"[host {h}] {line}"
+        if done:
+            return
+        if not got:
+            time.sleep(poll_s)

@@ -7,14 +7,12 @@ No jax here: `jobspec/load.py` fills a run config's missing model keys from a mo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jobspec.errors import ConfigError
-
-#: HF model_type -> our ModelConfig.family.
-FAMILIES: dict[str, str] = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
-ARCHITECTURES: dict[str, str] = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # Our key <- HF key, for keys whose values copy unchanged.
 _PLAIN: dict[str, str] = {
@@ -30,16 +28,67 @@ _PLAIN: dict[str, str] = {
     "tie_word_embeddings": "tie_word_embeddings",
     "init_std": "initializer_range",
 }
-_MOE_PLAIN: dict[str, str] = {
-    "num_experts_per_tok": "num_experts_per_tok",
-    "moe_intermediate_size": "moe_intermediate_size",
-    "norm_topk_prob": "norm_topk_prob",
-}
-#: Every [model] key an HF config can fill for any family (for qwen3_moe add HF_MOE_KEYS).
+#: Every [model] key an HF config can fill for any family (a family's `HFFamily.keys` add more).
 HF_KEYS: tuple[str, ...] = ("family", *_PLAIN, "rope_theta", "param_dtype")
-#: The further keys an HF config fills for family "qwen3_moe".
-HF_MOE_KEYS: tuple[str, ...] = ("num_experts", *_MOE_PLAIN)
 _HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """How one family's HF config.json differs from the shared Qwen3 keys, both directions."""
+
+    architecture: str  # HF `architectures[0]`
+    #: Further [model] keys an HF config fills (our names), beyond HF_KEYS.
+    keys: tuple[str, ...] = ()
+    #: Our key <- HF key candidates (first present wins), for further keys copied unchanged.
+    plain: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Values our key takes on import when the HF config omits it (HF's default differs from ours).
+    import_defaults: dict[str, Any] = field(default_factory=dict)
+    #: (problem text, test on the HF config) for settings this family cannot load.
+    unsupported: tuple[tuple[str, Callable[[dict[str, Any]], bool]], ...] = ()
+    #: The further config.json entries written on export, from a resolved [model] section.
+    export: Callable[[dict[str, Any]], dict[str, Any]] = lambda model: {}
+
+
+def _moe_export(model: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "num_experts": model["num_experts"],
+        "num_experts_per_tok": model["num_experts_per_tok"],
+        "moe_intermediate_size": model["moe_intermediate_size"],
+        "norm_topk_prob": bool(model.get("norm_topk_prob", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+_MOE = HFFamily(
+    architecture="Qwen3MoeForCausalLM",
+    keys=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"),
+    plain={
+        "num_experts_per_tok": ("num_experts_per_tok",),
+        "moe_intermediate_size": ("moe_intermediate_size",),
+        "norm_topk_prob": ("norm_topk_prob",),
+        "num_experts": ("num_experts", "num_local_experts"),
+    },
+    import_defaults={"norm_topk_prob": False},  # HF Qwen3MoeConfig's default; ours is true
+    unsupported=(
+        ("decoder_sparse_step != 1", lambda hf: hf.get("decoder_sparse_step", 1) != 1),
+        ("non-empty mlp_only_layers", lambda hf: bool(hf.get("mlp_only_layers"))),
+    ),
+    export=_moe_export,
+)
+
+#: HF model_type (= our ModelConfig.family) -> how that family's config.json reads and writes.
+#: The runtime's side of a family (module, name map, counts) is runtime/model/registry.py.
+HF_FAMILIES: dict[str, HFFamily] = {
+    "qwen3": HFFamily(architecture="Qwen3ForCausalLM"),
+    "qwen3_moe": _MOE,
+}
+#: HF model_type -> our ModelConfig.family.
+FAMILIES: dict[str, str] = {t: t for t in HF_FAMILIES}
+ARCHITECTURES: dict[str, str] = {t: f.architecture for t, f in HF_FAMILIES.items()}
+#: The further keys an HF config fills for the MoE family.
+HF_MOE_KEYS: tuple[str, ...] = _MOE.keys
 
 
 def hf_dir(init_from: str, *, what: str = "model.init_from") -> Path:
@@ -51,9 +100,11 @@ def hf_dir(init_from: str, *, what: str = "model.init_from") -> Path:
 
 def fills_nothing(model: dict[str, Any]) -> bool:
     """True when the `[model]` table already holds every key an HF config could fill for its
-    family (e.g. a resolved.json), so no lookup is needed; a qwen3_moe table also needs the MoE
-    keys, a table without `family` always needs the lookup."""
-    keys = HF_KEYS + (HF_MOE_KEYS if model.get("family") == "qwen3_moe" else ())
+    family (e.g. a resolved.json), so no lookup is needed; a family's `HFFamily.keys` (e.g. the
+    MoE sizes) count too, a table without `family` always needs the lookup."""
+    family = model.get("family")
+    fam = HF_FAMILIES.get(family) if isinstance(family, str) else None
+    keys = HF_KEYS + (fam.keys if fam else ())
     return all(k in model for k in keys)
 
 
@@ -92,7 +143,7 @@ def _rope_theta(hf: dict[str, Any]) -> float | None:
 def model_fields_from_hf(hf: dict[str, Any], *, what: str = "model.init_from") -> dict[str, Any]:
     """`[model]` keys (our names) that an HF config.json determines; ConfigError if unsupported."""
     model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
+    if model_type not in HF_FAMILIES:
         raise ConfigError(
             f"{what}: model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})"
         )
@@ -103,11 +154,8 @@ def model_fields_from_hf(hf: dict[str, Any], *, what: str = "model.init_from") -
         problems.append("use_sliding_window = true")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act = {hf.get('hidden_act')!r}")
-    if model_type == "qwen3_moe":
-        if hf.get("decoder_sparse_step", 1) != 1:
-            problems.append("decoder_sparse_step != 1")
-        if hf.get("mlp_only_layers"):
-            problems.append("non-empty mlp_only_layers")
+    fam = HF_FAMILIES[model_type]
+    problems += [text for text, bad in fam.unsupported if bad(hf)]
     try:
         theta = _rope_theta(hf)
     except ValueError as e:
@@ -119,15 +167,15 @@ def model_fields_from_hf(hf: dict[str, Any], *, what: str = "model.init_from") -
         )
 
     out: dict[str, Any] = {"family": FAMILIES[model_type]}
-    table = {**_PLAIN, **(_MOE_PLAIN if model_type == "qwen3_moe" else {})}
-    for ours, theirs in table.items():
+    for ours, theirs in _PLAIN.items():
         if hf.get(theirs) is not None:
             out[ours] = hf[theirs]
-    if model_type == "qwen3_moe":
-        experts = hf.get("num_experts", hf.get("num_local_experts"))
-        if experts is not None:
-            out["num_experts"] = experts
-        out.setdefault("norm_topk_prob", False)  # HF Qwen3MoeConfig's default; ours is true
+    for ours, candidates in fam.plain.items():
+        value = next((hf[c] for c in candidates if c in hf), None)
+        if value is not None:
+            out[ours] = value
+    for ours, default in fam.import_defaults.items():
+        out.setdefault(ours, default)
     if theta is not None:
         out["rope_theta"] = theta
     # HF Qwen3Config defaults tie_word_embeddings to false; ours defaults to true.
@@ -143,7 +191,7 @@ def hf_config_from_model(model: dict[str, Any]) -> dict[str, Any]:
     family = model.get("family", "qwen3")
     head_dim = model.get("head_dim") or model["hidden_size"] // model["num_heads"]
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[family]],
+        "architectures": [HF_FAMILIES[family].architecture],
         "model_type": family,
         "vocab_size": model["vocab_size"],
         "hidden_size": model["hidden_size"],
@@ -165,13 +213,5 @@ def hf_config_from_model(model: dict[str, Any]) -> dict[str, Any]:
         "use_cache": True,
         "dtype": model.get("param_dtype", "float32"),
     }
-    if family == "qwen3_moe":
-        out.update(
-            num_experts=model["num_experts"],
-            num_experts_per_tok=model["num_experts_per_tok"],
-            moe_intermediate_size=model["moe_intermediate_size"],
-            norm_topk_prob=bool(model.get("norm_topk_prob", True)),
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )
+    out.update(HF_FAMILIES[family].export(model))
     return out

@@ -14,9 +14,10 @@ import pytest
 from flax import nnx
 
 from jobspec.run_config import ModelConfig
-from runtime.model.flops import flops_per_token
+from runtime.model.flops import flops_per_token, parameter_counts
 from runtime.model.moe import RouterBias, SparseMoE, update_router_bias
-from runtime.model.qwen3 import LOGICAL_AXES, Decoder, param_count
+from runtime.model.qwen3 import LOGICAL_AXES
+from runtime.model.registry import build_model_module
 from runtime.model.sharding import LOGICAL_RULES
 from runtime.train.state import TrainState
 from runtime.train.step import make_train_step
@@ -110,7 +111,7 @@ def test_bias_steers_choice_but_not_weights() -> None:
 
 
 def test_param_layout_names_and_bias_is_not_a_param() -> None:
-    model = Decoder(moe_cfg(), rngs=nnx.Rngs(0))
+    model = build_model_module(moe_cfg(), rngs=nnx.Rngs(0))
     mlp = model.layers[0].mlp
     assert mlp.gate.kernel.shape == (32, 4)
     assert mlp.experts.gate_proj.shape == (4, 32, 16)
@@ -129,13 +130,13 @@ def test_param_layout_names_and_bias_is_not_a_param() -> None:
     bias_paths = [p for p, _ in nnx.to_flat_state(others) if "router_bias" in p]
     assert len(bias_paths) == 2
     # param_count: every Param counted; FLOPs use only the active experts.
-    counts = param_count(model.cfg)
+    counts = parameter_counts(model.cfg)
     assert counts["total"] == sum(x.size for x in jax.tree.leaves(params))
     d, e, k, mf, layers = 32, 4, 2, 16, 2
     assert counts["non_embedding"] - counts["active_non_embedding"] == layers * 3 * d * mf * (e - k)
     fl = flops_per_token(model.cfg, 16)
     assert fl["params_counted"] == counts["active_non_embedding"] + 64 * 32
-    assert "active_non_embedding" not in param_count(
+    assert "active_non_embedding" not in parameter_counts(
         moe_cfg(
             family="qwen3", num_experts=None, num_experts_per_tok=None, moe_intermediate_size=None
         )
@@ -145,7 +146,7 @@ def test_param_layout_names_and_bias_is_not_a_param() -> None:
 @pytest.mark.parametrize("remat", ["none", "block", "full"])
 def test_decoder_forward_under_jit(remat: str) -> None:
     cfg = moe_cfg(remat=remat)
-    graphdef, params, others = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    graphdef, params, others = nnx.split(build_model_module(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, cfg.vocab_size)
     pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
 
@@ -163,12 +164,12 @@ def test_decoder_forward_under_jit(remat: str) -> None:
     np.testing.assert_allclose(np.asarray(loads.sum(-1)), 1.0, atol=1e-6)
     assert np.isfinite(float(value))
     assert float(optax.tree.norm(grads)) > 0
-    eager = Decoder(cfg, rngs=nnx.Rngs(0))(ids, pos)
+    eager = build_model_module(cfg, rngs=nnx.Rngs(0))(ids, pos)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(eager), rtol=1e-5, atol=1e-5)
 
 
 def test_decode_matches_full_forward() -> None:
-    model = Decoder(moe_cfg(), rngs=nnx.Rngs(0))
+    model = build_model_module(moe_cfg(), rngs=nnx.Rngs(0))
     ids = jax.random.randint(jax.random.PRNGKey(1), (1, 6), 0, 64)
     pos = jnp.arange(6)[None]
     full = model(ids, pos)
@@ -212,7 +213,7 @@ def test_logits_match_hf_qwen3_moe(norm_topk_prob: bool) -> None:
             )
     sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
 
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    model = build_model_module(cfg, rngs=nnx.Rngs(0))
     f = cfg.moe_intermediate_size
     model.embed_tokens.embedding[...] = sd["model.embed_tokens.weight"]
     model.norm.scale[...] = sd["model.norm.weight"]
@@ -243,7 +244,7 @@ def test_logits_match_hf_qwen3_moe(norm_topk_prob: bool) -> None:
 
 
 def test_update_router_bias_moves_toward_balance() -> None:
-    model = Decoder(moe_cfg(), rngs=nnx.Rngs(0))
+    model = build_model_module(moe_cfg(), rngs=nnx.Rngs(0))
     _, _, others = nnx.split(model, nnx.Param, ...)
     loads = jnp.array([[0.5, 0.3, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])
     (new,) = update_router_bias((others,), loads, 0.1)
@@ -263,7 +264,7 @@ def _skewed_run(rate: float, steps: int = 50) -> tuple[float, float, np.ndarray]
     """Train a model whose router sends (almost) every token to expert 0; -> (first, final mean of
     the last 10 steps' expert_load_max_over_mean, final biases [L, E])."""
     cfg = moe_cfg(router_bias_update_rate=rate)
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    model = build_model_module(cfg, rngs=nnx.Rngs(0))
     # Every token's residual stream gets a shared offset as large as its own part; expert 0's
     # router column reads the offset (a logit lead of ~2.5), while a unit-scale random router
     # keeps the other experts' logits token-dependent (std ~1), so balance is reachable.
@@ -318,7 +319,7 @@ def test_dense_has_no_load_metric_and_keeps_its_empty_model_state() -> None:
     cfg = moe_cfg(
         family="qwen3", num_experts=None, num_experts_per_tok=None, moe_intermediate_size=None
     )
-    graphdef, params, others = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    graphdef, params, others = nnx.split(build_model_module(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     tx = optax.sgd(0.1)
     state = _unsharded_state(params, others, tx)
     ones = jnp.ones((1, 2, 8), jnp.int32)

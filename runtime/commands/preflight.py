@@ -12,6 +12,7 @@ from jobspec.storage import join, url_to_fs
 from runtime.data.manifest import load_manifest
 from runtime.data.pipeline import check_for_run
 from runtime.model.flops import parameter_counts
+from runtime.model.registry import spec_for
 from runtime.model.sharding import build_mesh
 from runtime.run.store import ArtifactStore
 
@@ -24,8 +25,9 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
     Parameters, gradients (fp32 accumulators), AdamW moments (2 x fp32) and an activation
     estimate per microbatch: per token and layer, roughly 16 x hidden + 3 x intermediate values
     kept for the backward pass (plus the attention probabilities, heads x seq_len), or only the
-    block input under remat "full"; for qwen3_moe, 3 x num_experts x moe_intermediate replaces
-    3 x intermediate (the dense dispatch runs every expert on every token). An estimate to catch gross misfits, not an allocator trace.
+    block input under remat "full"; the family spec's `mlp_activations` gives the MLP term (for
+    an MoE, 3 x num_experts x moe_intermediate: the dense dispatch runs every expert on every
+    token). An estimate to catch gross misfits, not an allocator trace.
     """
     m, t = cfg.model, cfg.training
     n = parameter_counts(m)["total"]
@@ -37,12 +39,8 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
     adam = 2 * n * 4 / shards
     # The batch is split over slice x data x fsdp (runtime/sharding.py, logical axis "batch").
     rows = t.global_batch_size / (cfg.mesh.slices * cfg.mesh.data * cfg.mesh.fsdp)
-    # MLP values per token: qwen3_moe's dense dispatch keeps [B, T, E, moe_intermediate] arrays
-    # for every expert, not only the k chosen ones.
-    if m.family == "qwen3_moe":
-        mlp = 3 * m.num_experts * m.moe_intermediate_size
-    else:
-        mlp = 3 * m.intermediate_size
+    # MLP values per token and layer, per family (an MoE's dense dispatch keeps every expert's).
+    mlp = spec_for(m).mlp_activations(m)
     per_token_layer = {
         "none": 16 * m.hidden_size + mlp + m.num_heads * t.seq_len / max(cfg.mesh.tensor, 1),
         "block": 8 * m.hidden_size + mlp,

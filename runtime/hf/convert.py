@@ -18,7 +18,7 @@ from jobspec.errors import ConfigError
 from jobspec.hf_config import hf_config_from_model, model_fields_from_hf, read_hf_config
 from jobspec.run_config import ModelConfig
 from runtime.hf.files import DEFAULT_MAX_SHARD_BYTES, read_safetensors, write_safetensors
-from runtime.hf.names import names_for
+from runtime.model.registry import spec_for
 
 Path_ = tuple[str | int, ...]
 
@@ -31,7 +31,7 @@ def model_config_from_hf(path: str | Path, **overrides: Any) -> ModelConfig:
 
 def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[Path_, np.ndarray]:
     """Our parameters (flat: NNX path -> array) from an HF state dict."""
-    table = names_for(cfg)
+    table = spec_for(cfg).hf_names(cfg)
     known = {e.name for e in table}
     if cfg.tie_word_embeddings:
         known.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
@@ -59,7 +59,7 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[Pat
 def hf_from_params(cfg: ModelConfig, flat: dict[Path_, Any]) -> dict[str, np.ndarray]:
     """An HF state dict from our flat parameters (NNX path -> array-like)."""
     out: dict[str, np.ndarray] = {}
-    for e in names_for(cfg):
+    for e in spec_for(cfg).hf_names(cfg):
         a = np.asarray(flat[e.path])
         if e.expert is not None:
             a = a[e.expert]

@@ -5,6 +5,7 @@ A path is the tuple `nnx.to_flat_state` gives, e.g. `("layers", 0, "self_attn", 
 projection transposes; embeddings and norm scales copy as they are. Qwen3-MoE stacks its experts
 ([E, in, out], see runtime/moe.py); an entry with `expert = e` is slice e of that stack, which
 HF's saved checkpoints keep as a separate `mlp.experts.{e}.*_proj.weight` per expert.
+Which table a family uses is its line in runtime/model/registry.py (`spec_for(cfg).hf_names`).
 """
 
 from __future__ import annotations
@@ -82,12 +83,3 @@ def qwen3_moe_names(cfg: ModelConfig) -> list[Entry]:
                 for n in ("gate", "up", "down")
             ]
     return out
-
-
-def names_for(cfg: ModelConfig) -> list[Entry]:
-    """The table for cfg.family."""
-    if cfg.family == "qwen3":
-        return qwen3_names(cfg)
-    if cfg.family == "qwen3_moe":
-        return qwen3_moe_names(cfg)
-    raise ValueError(f"no HF name map for family {cfg.family!r}")

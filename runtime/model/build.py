@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jobspec.run_config import ModelConfig
-from runtime.model.qwen3 import Decoder
+from runtime.model.registry import build_model_module
 from runtime.model.sharding import mesh_spec, replicated
 
 
@@ -29,8 +29,9 @@ class ModelParts:
 
 
 def _abstract_model(cfg: ModelConfig, seed: int) -> nnx.Module:
-    # Decoder records logical names only (eager_sharding=False); mesh placement is sharding.py's.
-    return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(params=seed)))
+    # The family's module records logical names only (eager_sharding=False); mesh placement is
+    # sharding.py's.
+    return nnx.eval_shape(lambda: build_model_module(cfg, rngs=nnx.Rngs(params=seed)))
 
 
 def param_shardings(abstract_params: nnx.State, mesh: Mesh) -> Any:
@@ -52,7 +53,7 @@ def build_model(cfg: ModelConfig, seed: int, mesh: Mesh, *, materialise: bool = 
     o_sh = jax.tree.map(lambda _: replicated(mesh), abs_others)
 
     def init():
-        model = Decoder(cfg, rngs=nnx.Rngs(params=seed))
+        model = build_model_module(cfg, rngs=nnx.Rngs(params=seed))
         _, params, others = nnx.split(model, nnx.Param, ...)
         return params, others
 

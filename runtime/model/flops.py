@@ -9,20 +9,23 @@ way). The second term is attention's QK^T and AV products: per layer and token, 
 convention as torchtitan's `get_num_flop_per_token` and MaxText's non-causal count), so MFU here
 is directly comparable with theirs; a causal-aware count would be 6 * L * T * H * D.
 
-For qwen3_moe, N counts the router and only the k active experts per token (model FLOPs), while
-runtime/moe.py's dense dispatch computes all E experts: its MFU understates the hardware's work.
+Each family's spec (runtime/model/registry.py) supplies its counts and formula; an MoE family's N
+counts the router and only the k active experts per token (model FLOPs), while
+runtime/model/moe.py's dense dispatch computes all E experts: its MFU understates the hardware's
+work.
 """
 
 from __future__ import annotations
 
 from jobspec.run_config import ModelConfig
-from runtime.model.qwen3 import param_count as parameter_counts
+from runtime.model.registry import spec_for
+
+
+def parameter_counts(m: ModelConfig) -> dict[str, int]:
+    """Parameter counts of m's family (see its spec's `param_count`)."""
+    return spec_for(m).param_count(m)
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
-    counts = parameter_counts(m)
-    # MoE: model FLOPs of the k active experts per token (the MFU convention), although the dense
-    # dispatch in runtime/moe.py computes all E experts; plus the head matmul, tied or not.
-    n = counts.get("active_non_embedding", counts["non_embedding"]) + m.vocab_size * m.hidden_size
-    attention = 12 * m.num_layers * seq_len * m.num_heads * m.resolved_head_dim
-    return {"params_counted": n, "dense": 6 * n, "attention": attention, "total": 6 * n + attention}
+    """Training FLOPs per token of m's family at seq_len."""
+    return spec_for(m).flops_per_token(m, seq_len)

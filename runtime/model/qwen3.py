@@ -1,4 +1,4 @@
-"""Qwen3-family decoder in Flax NNX.
+"""Qwen3-family decoder in Flax NNX, and the dense "qwen3" family's own pieces (builder, counts).
 
 The math follows Hugging Face `Qwen3ForCausalLM` exactly (a later parity test checks logits to
 1e-4): fp32 RMSNorm `x * rsqrt(mean(x^2) + eps) * weight`, q/k RMSNorm over head_dim per head
@@ -17,15 +17,16 @@ Kernels are stored [in, out] so an HF `weight` maps in by a plain transpose. Pat
 `layers[i].self_attn.{q,k}_norm.scale`, `layers[i].{input,post_attention}_layernorm.scale`,
 `layers[i].mlp.{gate,up,down}_proj.kernel`, `norm.scale`, `lm_head.kernel` (untied only).
 
-Family "qwen3_moe" swaps each layer's MLP for `runtime.moe.SparseMoE` (paths documented there:
-`layers[i].mlp.gate.kernel`, `layers[i].mlp.experts.{gate,up,down}_proj`, and the non-Param
-`layers[i].mlp.router_bias`). `Decoder.forward_with_loads` also returns per-layer expert loads.
+The layer MLP is a per-family choice (`Decoder(..., mlp_factory=...)`): dense SwiGLU `MLP` here;
+`runtime/model/qwen3_moe.py` passes `runtime.model.moe.SparseMoE` (paths documented there), whose
+per-layer expert loads `Decoder.forward_with_loads` also returns. Model code never tests the family
+string; `runtime/model/registry.py` maps family names to builders.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,6 @@ from jax import lax
 
 from jobspec.run_config import ModelConfig
 from runtime.model.layers import Dense, Embed, RMSNorm, apply_rope, dtype_of, rope_tables
-from runtime.model.moe import SparseMoE
 
 #: Every logical axis name a parameter may carry.
 LOGICAL_AXES: tuple[str, ...] = ("vocab", "embed", "heads", "kv_heads", "mlp", "norm", "expert")
@@ -116,8 +116,14 @@ class Attention(nnx.Module):
         return self.o_proj(out), new_kv
 
 
+class MlpFactory(Protocol):
+    """Builds a layer's MLP; the module maps x [B, T, D] to (y [B, T, D], expert load [E] | None)."""
+
+    def __call__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> nnx.Module: ...
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); no expert load (returns (y, None))."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
         d, f = cfg.hidden_size, cfg.intermediate_size
@@ -126,25 +132,29 @@ class MLP(nnx.Module):
         self.up_proj = Dense(d, f, ("embed", "mlp"), cfg, **kw)
         self.down_proj = Dense(f, d, ("mlp", "embed"), cfg, **kw)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, None]:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)), None
 
 
 class Block(nnx.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    The MLP is SwiGLU for family "qwen3" and the sparse MoE block for "qwen3_moe".
+    The MLP comes from `mlp_factory`: SwiGLU `MLP` for the dense family, the family spec's
+    choice otherwise (e.g. the sparse MoE block).
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        eager_sharding: bool,
+        mlp_factory: MlpFactory = MLP,
+    ) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
         self.self_attn = Attention(cfg, rngs=rngs, eager_sharding=eager_sharding)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
-        self.is_moe = cfg.family == "qwen3_moe"
-        if self.is_moe:
-            self.mlp = SparseMoE(cfg, rngs=rngs, eager_sharding=eager_sharding)
-        else:
-            self.mlp = MLP(cfg, rngs=rngs, eager_sharding=eager_sharding)
+        self.mlp = mlp_factory(cfg, rngs=rngs, eager_sharding=eager_sharding)
 
     def __call__(
         self,
@@ -158,11 +168,7 @@ class Block(nnx.Module):
         """-> (x, new_kv, load): load [E] is the MoE expert load, None for a dense MLP."""
         attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, index)
         x = x + attn
-        load = None
-        if self.is_moe:
-            y, load = self.mlp(self.post_attention_layernorm(x))
-        else:
-            y = self.mlp(self.post_attention_layernorm(x))
+        y, load = self.mlp(self.post_attention_layernorm(x))
         return x + y, new_kv, load
 
 
@@ -193,15 +199,22 @@ class Decoder(nnx.Module):
     `eager_sharding=False` (default) only records logical names, so the model builds without a
     mesh; shard by jitting the init with out_shardings from `nnx.get_partition_spec` under logical
     axis rules. `True` lets flax shard each Param at creation (needs a mesh and rules in context).
+    `mlp_factory` builds every layer's MLP (dense SwiGLU by default; see `MlpFactory`).
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        eager_sharding: bool = False,
+        mlp_factory: MlpFactory = MLP,
+    ) -> None:
         self.cfg = cfg
         self.compute_dtype = dtype_of(cfg.compute_dtype)
         self.embed_tokens = Embed(cfg, rngs=rngs, eager_sharding=eager_sharding)
-        self.layers = nnx.List(
-            [Block(cfg, rngs=rngs, eager_sharding=eager_sharding) for _ in range(cfg.num_layers)]
-        )
+        kw = {"rngs": rngs, "eager_sharding": eager_sharding, "mlp_factory": mlp_factory}
+        self.layers = nnx.List([Block(cfg, **kw) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
         if not cfg.tie_word_embeddings:
             kw = {"rngs": rngs, "eager_sharding": eager_sharding}
@@ -236,7 +249,7 @@ class Decoder(nnx.Module):
         segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array | None]:
         """Like `__call__`, plus the expert loads: fp32 [num_layers, num_experts], each row the
-        fraction of that layer's token->expert assignments per expert; None for family "qwen3"."""
+        fraction of that layer's token->expert assignments per expert; None for a dense MLP."""
         t = inputs.shape[1]
         idx = jnp.arange(t)
         mask = (idx[:, None] >= idx[None, :])[None]  # [1, T, T]
@@ -253,7 +266,7 @@ class Decoder(nnx.Module):
         for block in self.layers:
             x, load = block_fn(block, x, cos, sin, mask)
             loads.append(load)
-        stacked = jnp.stack(loads) if self.cfg.family == "qwen3_moe" else None
+        stacked = jnp.stack(loads) if loads and loads[0] is not None else None
         return self._logits(x), stacked
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
@@ -290,24 +303,24 @@ class Decoder(nnx.Module):
         return self._logits(x), KVCache(tuple(new_k), tuple(new_v), cache.index + t)
 
 
-def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts from the config arithmetic.
+def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Decoder:
+    """The dense Qwen3 decoder (SwiGLU MLP in every layer)."""
+    return Decoder(cfg, rngs=rngs, eager_sharding=eager_sharding)
+
+
+def decoder_param_count(
+    cfg: ModelConfig, mlp: int, active_mlp: int | None = None
+) -> dict[str, int]:
+    """Parameter counts of a Decoder whose per-layer MLP holds `mlp` parameters.
 
     embedding: the input table (vocab x hidden); lm_head: the separate head (0 when tied);
     non_embedding: everything else (blocks and final norm). The head matmul costs vocab x hidden
     MACs per token whether tied or not, so a FLOPs estimate adds that to non_embedding.
-    For family "qwen3_moe" the MLP is the router (hidden x E) plus E experts, and
-    active_non_embedding counts the router and only the k experts a token uses (for FLOPs).
-    The router bias is not a parameter and is not counted.
+    With `active_mlp` (the MLP parameters one token uses, e.g. an MoE's router and k experts) the
+    counts add active_non_embedding (for FLOPs).
     """
-    d, hd, f, v = cfg.hidden_size, cfg.resolved_head_dim, cfg.intermediate_size, cfg.vocab_size
+    d, hd, v = cfg.hidden_size, cfg.resolved_head_dim, cfg.vocab_size
     attn = d * cfg.num_heads * hd + 2 * d * cfg.num_kv_heads * hd + cfg.num_heads * hd * d + 2 * hd
-    moe = cfg.family == "qwen3_moe"
-    if moe:
-        e, k, mf = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-        mlp, active_mlp = d * e + 3 * d * mf * e, d * e + 3 * d * mf * k
-    else:
-        mlp = active_mlp = 3 * d * f
     per_layer = attn + mlp + 2 * d
     embedding = v * d
     lm_head = 0 if cfg.tie_word_embeddings else v * d
@@ -319,6 +332,37 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         "non_embedding": non_embedding,
         "per_layer": per_layer,
     }
-    if moe:
+    if active_mlp is not None:
         counts["active_non_embedding"] = cfg.num_layers * (attn + active_mlp + 2 * d) + d
     return counts
+
+
+def param_count(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts of the dense family (SwiGLU MLP: 3 x hidden x intermediate per layer)."""
+    return decoder_param_count(cfg, 3 * cfg.hidden_size * cfg.intermediate_size)
+
+
+def decoder_flops_per_token(
+    cfg: ModelConfig, counts: dict[str, int], seq_len: int
+) -> dict[str, float]:
+    """6 * N + 12 * L * T * H * D from `counts` (see runtime/model/flops.py for the convention).
+
+    N is active_non_embedding when present (model FLOPs of the parameters a token uses), else
+    non_embedding, plus the head matmul (vocab x hidden) tied or not.
+    """
+    n = (
+        counts.get("active_non_embedding", counts["non_embedding"])
+        + cfg.vocab_size * cfg.hidden_size
+    )
+    attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.resolved_head_dim
+    return {"params_counted": n, "dense": 6 * n, "attention": attention, "total": 6 * n + attention}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Training FLOPs per token of the dense family."""
+    return decoder_flops_per_token(cfg, param_count(cfg), seq_len)
+
+
+def mlp_activations(cfg: ModelConfig) -> int:
+    """MLP values per token and layer kept for the backward pass (preflight's estimate)."""
+    return 3 * cfg.intermediate_size

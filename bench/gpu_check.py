@@ -6,7 +6,7 @@ Prints one JSON object:
   logits   one random batch through the same parameters twice, compute_dtype float32 and
            bfloat16 (parameters float32 in both): max and mean |bf16 - fp32| of the logits, and
            how often the argmax agrees.
-  step     the runtime's own jitted train step (as runtime/train.py builds it: AdamW, clip,
+  step     the runtime's own jitted train step (as runtime/train/loop.py builds it: AdamW, clip,
            accumulation scan, donation) on compute_dtype bfloat16: steady-state tokens/s over
            `--steps` steps after one warm step, and MFU = tokens/s × FLOPs/token / peak, where the
            device's peak is in the catalogue (none on CPU: MFU is then null, never a guess);

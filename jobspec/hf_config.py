@@ -1,7 +1,7 @@
 """Hugging Face `config.json` <-> `[model]` fields, for `model.init_from = "hf:PATH"` and export.
 
 No jax here: `jobspec/load.py` fills a run config's missing model keys from a model dir with
-`model_fields_from_hf`, and `runtime/hf/io.py` writes `config.json` with `hf_config_from_model`.
+`model_fields_from_hf`, and `runtime/hf/convert.py` writes `config.json` with `hf_config_from_model`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Progress read from a run's artifacts (`<output_uri>/<run_id>`), local or gs://.
 
 runtime.inspect imports jax (through runtime.artifacts), and `launch` must not, so this reads
-the few files it needs through runtime.storage's fsspec helper, which imports no jax.
+the few files it needs through jobspec.storage's fsspec helper, which imports no jax.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
     params = n * pbytes / shards
     grads = n * 4 / shards
     adam = 2 * n * 4 / shards
-    # The batch is split over slice x data x fsdp (runtime/sharding.py, logical axis "batch").
+    # The batch is split over slice x data x fsdp (runtime/model/sharding.py, logical axis "batch").
     rows = t.global_batch_size / (cfg.mesh.slices * cfg.mesh.data * cfg.mesh.fsdp)
     # MLP values per token and layer, per family (an MoE's dense dispatch keeps every expert's).
     mlp = spec_for(m).mlp_activations(m)

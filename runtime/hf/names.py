@@ -3,7 +3,7 @@
 A path is the tuple `nnx.to_flat_state` gives, e.g. `("layers", 0, "self_attn", "q_proj",
 "kernel")`. Our kernels are [in, out] and HF `nn.Linear` weights are [out, in], so every
 projection transposes; embeddings and norm scales copy as they are. Qwen3-MoE stacks its experts
-([E, in, out], see runtime/moe.py); an entry with `expert = e` is slice e of that stack, which
+([E, in, out], see runtime/model/moe.py); an entry with `expert = e` is slice e of that stack, which
 HF's saved checkpoints keep as a separate `mlp.experts.{e}.*_proj.weight` per expert.
 Which table a family uses is its line in runtime/model/registry.py (`spec_for(cfg).hf_names`).
 """
@@ -69,7 +69,7 @@ def qwen3_names(cfg: ModelConfig) -> list[Entry]:
 def qwen3_moe_names(cfg: ModelConfig) -> list[Entry]:
     """Qwen3-MoE (`Qwen3MoeForCausalLM`): router `mlp.gate`, per-expert SwiGLU projections.
 
-    The router bias (runtime/moe.py `router_bias`) is not a parameter and has no HF tensor.
+    The router bias (runtime/model/moe.py `router_bias`) is not a parameter and has no HF tensor.
     """
     assert cfg.num_experts is not None
     out = _ends(cfg)

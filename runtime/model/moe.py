@@ -13,7 +13,7 @@ runs on every token (one einsum over an expert axis) and a [tokens, experts] com
 off the top-k, weights the results. Exact and jit-friendly; compute grows with num_experts, so it
 suits small models only (a sparse dispatch can replace `SparseMoE.__call__` later).
 
-Parameter paths inside `layers[i]` of `runtime.model.Decoder`:
+Parameter paths inside `layers[i]` of `runtime.model.qwen3.Decoder`:
 
     mlp.gate.kernel            [hidden, num_experts]            ("embed", "expert")
     mlp.experts.gate_proj      [E, hidden, moe_intermediate]    ("expert", "embed", "mlp")

@@ -7,7 +7,7 @@ h // (num_heads / num_kv_heads), scale 1/sqrt(head_dim), SwiGLU, no biases, fina
 separate lm head.
 
 Parameters carry LOGICAL axis names as flax `out_sharding` metadata (see `LOGICAL_AXES`); model
-code never names mesh axes. `runtime/sharding.py` maps logical names to mesh axes, e.g.::
+code never names mesh axes. `runtime/model/sharding.py` maps logical names to mesh axes, e.g.::
 
     with nnx.logical_axis_rules(rules):
         specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))

@@ -73,8 +73,8 @@ def import_to_run(path: str, out_dir: str, *, config: str | None = None) -> dict
 
     from jobspec.errors import JaxjobError
     from jobspec.load import resolved_dict, to_toml
+    from runtime.data.loader import train_batches
     from runtime.data.manifest import load_manifest
-    from runtime.data.pipeline import train_batches
     from runtime.model.build import build_model
     from runtime.model.sharding import offline_mesh
     from runtime.run.artifacts import LAYOUT, now, package_versions

@@ -24,8 +24,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_overhead, beside this file
 
+from runtime.data.loader import TokenBatches  # noqa: E402
 from runtime.data.manifest import load_manifest  # noqa: E402
-from runtime.data.pipeline import TokenBatches  # noqa: E402
 from runtime.data.prepare import prepare_dataset  # noqa: E402
 
 WARMUP_STEPS = 5  # thread start-up and the first epoch permutation are not throughput

@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from runtime.data.loader import TokenBatches  # noqa: E402
 from runtime.data.manifest import load_manifest, read_offsets  # noqa: E402
-from runtime.data.pipeline import TokenBatches  # noqa: E402
 from runtime.data.prepare import prepare_dataset  # noqa: E402
 
 WARMUP_STEPS = 5

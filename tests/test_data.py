@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 
 from jobspec.errors import ConfigError, DataError
-from runtime.data.manifest import check_manifest, load_manifest, read_offsets
-from runtime.data.pipeline import (
+from runtime.data.loader import (
     TokenBatches,
-    TokenStream,
     check_for_run,
     check_tokenizer,
     check_vocab,
     eval_batches,
     train_batches,
 )
+from runtime.data.manifest import check_manifest, load_manifest, read_offsets
 from runtime.data.prepare import expand_inputs, prepare_dataset
+from runtime.data.sources import TokenStream
 from runtime.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_id_for
 
 EOS = 256

@@ -14,8 +14,8 @@ from jobspec.errors import ConfigError, DataError
 from jobspec.load import parse_run_config
 from jobspec.run_config import MeshConfig
 from runtime.commands.offline import eval_checkpoint, restore_checkpoint
+from runtime.data.loader import OBJECTIVE_FIELDS, TokenBatches, check_objective
 from runtime.data.manifest import load_manifest
-from runtime.data.pipeline import OBJECTIVE_FIELDS, TokenBatches, check_objective
 from runtime.data.prepare import prepare_dataset
 from runtime.model.build import build_model
 from runtime.model.sharding import build_mesh

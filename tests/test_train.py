@@ -19,8 +19,8 @@ from flax import nnx
 from jobspec.load import parse_run_config
 from jobspec.run_config import MeshConfig, ModelConfig
 from runtime.commands.offline import eval_checkpoint, restore_checkpoint, sample_checkpoint
+from runtime.data.loader import TokenBatches
 from runtime.data.manifest import load_manifest
-from runtime.data.pipeline import TokenBatches
 from runtime.model.build import build_model
 from runtime.model.qwen3 import Decoder
 from runtime.model.sharding import batch_sharding, build_mesh

@@ -13,8 +13,8 @@ from jobspec.hf_config import hf_dir
 from jobspec.load import parse_run_config, read_toml, resolved_dict, to_toml
 from jobspec.run_config import RunConfig
 from runtime.commands.offline import restore_checkpoint
+from runtime.data.loader import train_batches
 from runtime.data.manifest import Manifest, load_manifest
-from runtime.data.pipeline import train_batches
 from runtime.hf.convert import model_config_from_hf, write_hf
 from runtime.hf.files import DEFAULT_MAX_SHARD_BYTES
 from runtime.model.build import build_model

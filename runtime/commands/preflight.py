@@ -9,8 +9,8 @@ import jax
 from jobspec.errors import JaxjobError
 from jobspec.run_config import RunConfig
 from jobspec.storage import join, url_to_fs
+from runtime.data.loader import check_for_run
 from runtime.data.manifest import load_manifest
-from runtime.data.pipeline import check_for_run
 from runtime.model.flops import parameter_counts
 from runtime.model.registry import spec_for
 from runtime.model.sharding import build_mesh

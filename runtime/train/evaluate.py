@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from jobspec.run_config import RunConfig
-from runtime.data.pipeline import TokenBatches, eval_loader
+from runtime.data.loader import TokenBatches, eval_loader
 from runtime.model.sharding import batch_sharding, replicated
 from runtime.run.artifacts import now
 from runtime.train.metrics import eval_line

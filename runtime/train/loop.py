@@ -19,7 +19,7 @@ from jobspec.exit_codes import EXIT_RESTARTABLE
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
 from jobspec.storage import configure_gcs_env, join
-from runtime.data.pipeline import TokenBatches, check_for_run, train_batches
+from runtime.data.loader import TokenBatches, check_for_run, train_batches
 from runtime.data.prepare import ensure_manifest
 from runtime.host import boot
 from runtime.host.coordination import HostWatchdog, StopAgreement

@@ -163,16 +163,16 @@ class RunArtifacts:
         self._pending.append((step, metrics, provenance))
         if step % self.cfg.training.log_every == 0 or sync:
             pending, self._pending = self._pending, []
-            self.last_row = self.flush_train_rows(pending, self.meter, emit) or self.last_row
+            self.last_row = self._flush(pending, emit) or self.last_row
 
-    def flush_train_rows(self, pending: list, meter: Throughput, emit) -> dict | None:
+    def _flush(self, pending: list, emit) -> dict | None:
         """Fetch the metrics of the steps since the last sync (one device_get: the sync point),
         then time the interval, write the rows and print the live line for the last one.
         Timing fields go on the last row of the interval."""
         if not pending:
             return None
         fetched = jax.device_get([m for _, m, _ in pending])
-        timing = meter.interval(pending[-1][0])
+        timing = self.meter.interval(pending[-1][0])
         rows = []
         tps = self.cfg.training.tokens_per_step
         mode = self.cfg.artifacts.provenance

@@ -111,6 +111,20 @@ class ModelConfig(Section):
         "none",
         description="none: keep all activations; block: per-block remat keeping matmul outputs; full: per-block remat keeping only block inputs.",
     )
+    scan_layers: bool = Field(
+        True,
+        description=(
+            "Run the decoder blocks under jax.lax.scan over stacked layer parameters, so compile "
+            "time does not grow with depth; false keeps one module per layer."
+        ),
+    )
+    attention: Literal["auto", "xla", "cudnn", "splash"] = Field(
+        "auto",
+        description=(
+            "Attention kernel: xla (einsum reference), cudnn (jax.nn.dot_product_attention on GPU), "
+            "splash (Pallas splash attention on TPU), auto (splash on TPU, cudnn on GPU, else xla)."
+        ),
+    )
 
     @property
     def resolved_head_dim(self) -> int:
@@ -247,6 +261,13 @@ class TrainingConfig(Section):
     )
     eval_every: NonNegativeInt = Field(
         0, description="Steps between evals; 0 runs evals only at the end."
+    )
+    loss_chunk_size: NonNegativeInt = Field(
+        1024,
+        description=(
+            "Sequence positions per chunk of the loss: the [rows, chunk, vocab] fp32 logits are made "
+            "and dropped one chunk at a time (recomputed in the backward pass); 0 = whole sequence."
+        ),
     )
 
     @property

@@ -22,6 +22,9 @@ GCS_TEST_BUCKET = "jaxjob-test"
 # gcsfs reads this once, at import: if any test imports gcsfs before the emulator fixture runs,
 # a later emulator test would otherwise wait 60 s on a gRPC probe the emulator never answers.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# Tests run on CPU. With the TPU runtime and CUDA plugin installed (`runtime plan` needs them),
+# JAX would otherwise probe for chips in every process and print the plugins' failures.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def free_port() -> int:

@@ -44,10 +44,19 @@ def param_shardings(abstract_params: nnx.State, mesh: Mesh) -> Any:
     )
 
 
-def build_model(cfg: ModelConfig, seed: int, mesh: Mesh, *, materialise: bool = True) -> ModelParts:
+def build_model(
+    cfg: ModelConfig,
+    seed: int,
+    mesh: Mesh,
+    *,
+    materialise: bool = True,
+    abstract_others: bool = False,
+) -> ModelParts:
     """Create parameters directly with their shardings; `materialise=False` keeps them abstract
     (ShapeDtypeStructs with shardings) as restore targets. With `cfg.init_from` ("hf:PATH") the
-    materialised parameters are that HF model's weights, placed with the same shardings."""
+    materialised parameters are that HF model's weights, placed with the same shardings.
+    `abstract_others` (with materialise=False) leaves the non-Param state abstract too: nothing
+    runs, so the mesh may be made of compile-only devices (`runtime plan`)."""
     graphdef, abs_params, abs_others = nnx.split(_abstract_model(cfg, seed), nnx.Param, ...)
     p_sh = param_shardings(abs_params, mesh)
     o_sh = jax.tree.map(lambda _: replicated(mesh), abs_others)
@@ -71,6 +80,11 @@ def build_model(cfg: ModelConfig, seed: int, mesh: Mesh, *, materialise: bool = 
         params = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_params, p_sh
         )
+        if abstract_others:
+            others = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_others, o_sh
+            )
+            return ModelParts(graphdef, params, (others,), p_sh)
         # XLA drops the unused parameter initialisers, so this only computes the constants.
         others = jax.jit(lambda: init()[1], out_shardings=o_sh)()
     return ModelParts(graphdef=graphdef, params=params, others=(others,), param_shardings=p_sh)

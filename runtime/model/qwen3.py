@@ -34,6 +34,7 @@ from flax import nnx
 from jax import lax
 
 from jobspec.run_config import ModelConfig
+from runtime.model import attention
 from runtime.model.layers import Dense, Embed, RMSNorm, apply_rope, dtype_of, rope_tables
 
 #: Every logical axis name a parameter may carry.
@@ -76,17 +77,20 @@ class Attention(nnx.Module):
         self.o_proj = Dense(cfg.num_heads * hd, d, ("heads", "embed"), cfg, **kw)
         self.q_norm = RMSNorm(hd, cfg, eager_sharding=eager_sharding)
         self.k_norm = RMSNorm(hd, cfg, eager_sharding=eager_sharding)
+        self.impl = cfg.attention
 
     def __call__(
         self,
         x: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
-        mask: jax.Array,
+        segment_ids: jax.Array | None,
         kv: tuple[jax.Array, jax.Array] | None = None,
         index: jax.Array | None = None,
+        mask: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """x [B,T,D]; mask bool [B|1, T, S] (True = may attend); kv: cache arrays [B,S,KV,hd]."""
+        """x [B,T,D]; training: causal within `segment_ids` [B,T] via the configured kernel.
+        Decoding: kv (cache arrays [B,S,KV,hd]) at `index`, with the dense `mask` [B|1,T,S]."""
         b, t, _ = x.shape
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_norm(self.q_proj(x).reshape(b, t, h, hd))
@@ -95,25 +99,15 @@ class Attention(nnx.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
-        new_kv = None
-        if kv is not None:
-            assert index is not None
-            ck = lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0))
-            cv = lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
-            new_kv = (ck, cv)
-            k, v = ck.astype(self.compute_dtype), cv.astype(self.compute_dtype)
-
-        # Grouped einsum instead of materialising repeat_kv: head h = g * rep + r reads kv head
-        # g, which is exactly HF's repeat_kv ordering.
-        rep = h // kvh
-        qg = q.reshape(b, t, kvh, rep, hd)
-        scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
-        scores = scores * (hd**-0.5)
-        # where (not an additive -inf) so a masked slot is exactly 0 after softmax.
-        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.compute_dtype)
-        out = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h * hd)
-        return self.o_proj(out), new_kv
+        if kv is None:
+            out = attention.attend(q, k, v, segment_ids, impl=self.impl)
+            return self.o_proj(out.reshape(b, t, h * hd)), None
+        assert index is not None and mask is not None
+        ck = lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0))
+        cv = lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
+        k, v = ck.astype(self.compute_dtype), cv.astype(self.compute_dtype)
+        out = attention.masked_attention(q, k, v, mask)
+        return self.o_proj(out.reshape(b, t, h * hd)), (ck, cv)
 
 
 class MlpFactory(Protocol):
@@ -161,36 +155,44 @@ class Block(nnx.Module):
         x: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
-        mask: jax.Array,
+        segment_ids: jax.Array | None,
         kv: tuple[jax.Array, jax.Array] | None = None,
         index: jax.Array | None = None,
+        mask: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, jax.Array | None]:
         """-> (x, new_kv, load): load [E] is the MoE expert load, None for a dense MLP."""
-        attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, index)
+        attn, new_kv = self.self_attn(
+            self.input_layernorm(x), cos, sin, segment_ids, kv, index, mask
+        )
         x = x + attn
         y, load = self.mlp(self.post_attention_layernorm(x))
         return x + y, new_kv, load
 
 
 def _block_forward(
-    block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
+    block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array | None
 ) -> tuple[jax.Array, jax.Array | None]:
-    out, _, load = block(x, cos, sin, mask)
+    out, _, load = block(x, cos, sin, segment_ids)
     return out, load
 
 
 def _remat_block_forward(
-    policy: Any, block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
+    policy: Any,
+    block: Block,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    segment_ids: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array | None]:
     # A pure jax.checkpoint over the block's split state: the forward mutates nothing, and this
     # (unlike nnx.remat) does not write non-Param variables such as the MoE router bias back
     # across trace levels.
     graphdef, state = nnx.split(block)
 
-    def pure(state: Any, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> Any:
-        return _block_forward(nnx.merge(graphdef, state), x, cos, sin, mask)
+    def pure(state: Any, x: jax.Array, cos: jax.Array, sin: jax.Array, seg: Any) -> Any:
+        return _block_forward(nnx.merge(graphdef, state), x, cos, sin, seg)
 
-    return jax.checkpoint(pure, policy=policy, prevent_cse=True)(state, x, cos, sin, mask)
+    return jax.checkpoint(pure, policy=policy, prevent_cse=True)(state, x, cos, sin, segment_ids)
 
 
 class Decoder(nnx.Module):
@@ -220,14 +222,19 @@ class Decoder(nnx.Module):
             kw = {"rngs": rngs, "eager_sharding": eager_sharding}
             self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, **kw)
 
-    def _logits(self, x: jax.Array) -> jax.Array:
-        h = self.norm(x)
-        # fp32 accumulation and output: the loss is computed in fp32 whatever compute_dtype is.
+    def head_kernel(self) -> jax.Array:
+        """The LM head as [hidden, vocab] in compute dtype (the embedding's transpose when tied)."""
         if self.cfg.tie_word_embeddings:
-            w = self.embed_tokens.embedding[...].astype(self.compute_dtype)
-            return jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32)
-        w = self.lm_head.kernel[...].astype(self.compute_dtype)
-        return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+            return self.embed_tokens.embedding[...].astype(self.compute_dtype).T
+        return self.lm_head.kernel[...].astype(self.compute_dtype)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final-normed hidden states [B, T, D] -> float32 logits [B, T, vocab]."""
+        # fp32 accumulation and output: the loss is computed in fp32 whatever compute_dtype is.
+        return jnp.einsum("btd,dv->btv", h, self.head_kernel(), preferred_element_type=jnp.float32)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        return self.logits(self.norm(x))
 
     def __call__(
         self,
@@ -250,13 +257,18 @@ class Decoder(nnx.Module):
     ) -> tuple[jax.Array, jax.Array | None]:
         """Like `__call__`, plus the expert loads: fp32 [num_layers, num_experts], each row the
         fraction of that layer's token->expert assignments per expert; None for a dense MLP."""
-        t = inputs.shape[1]
-        idx = jnp.arange(t)
-        mask = (idx[:, None] >= idx[None, :])[None]  # [1, T, T]
-        if segment_ids is not None:
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        cos, sin = rope_tables(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta)
+        h, loads = self.forward_hidden(inputs, positions, segment_ids)
+        return self.logits(h), loads
 
+    def forward_hidden(
+        self,
+        inputs: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """The final-normed hidden states [B, T, D] (compute dtype) and the expert loads; the
+        loss applies `head_kernel` to them chunk by chunk instead of materialising all logits."""
+        cos, sin = rope_tables(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta)
         policy = _REMAT_POLICIES.get(self.cfg.remat)
         block_fn = _block_forward
         if policy is not None:
@@ -264,10 +276,10 @@ class Decoder(nnx.Module):
         x = self.embed_tokens(inputs)
         loads = []
         for block in self.layers:
-            x, load = block_fn(block, x, cos, sin, mask)
+            x, load = block_fn(block, x, cos, sin, segment_ids)
             loads.append(load)
         stacked = jnp.stack(loads) if loads and loads[0] is not None else None
-        return self._logits(x), stacked
+        return self.norm(x), stacked
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
         """An empty cache of max_len slots per sequence (dtype defaults to compute_dtype)."""
@@ -297,7 +309,7 @@ class Decoder(nnx.Module):
         x = self.embed_tokens(inputs)
         new_k, new_v = [], []
         for block, ck, cv in zip(self.layers, cache.k, cache.v, strict=True):
-            x, (nk, nv), _ = block(x, cos, sin, mask, (ck, cv), cache.index)
+            x, (nk, nv), _ = block(x, cos, sin, None, (ck, cv), cache.index, mask)
             new_k.append(nk)
             new_v.append(nv)
         return self._logits(x), KVCache(tuple(new_k), tuple(new_v), cache.index + t)

@@ -1,14 +1,24 @@
 """The mesh from `[mesh]`, and the one table mapping logical axis names to mesh axes.
 
-Model code names only logical axes (vocab, embed, heads, kv_heads, mlp, norm, expert); this
-module alone knows mesh axes. FSDP shards parameters (and so optimizer state) over `fsdp` along
-`embed`; TP shards heads, MLP hidden and vocab over `tensor`; the batch is split over `data` x
-`fsdp`; MoE experts are replicated for now.
+Model code names only logical axes (parameters: vocab, embed, heads, kv_heads, mlp, norm,
+expert; activations also batch and length); this module alone knows mesh axes. FSDP shards
+parameters (and so optimizer state) over `fsdp` along `embed`; TP shards heads, MLP hidden and
+vocab over `tensor`; the batch is split over `slice` x `data` x `fsdp`; MoE experts are
+replicated for now.
+
+One table serves parameters and activations: a mesh axis is used once per array, by the first
+dimension that claims it, so an activation [batch, length, embed] puts `fsdp` on the batch
+while the parameter [embed, mlp] puts it on embed. `constrain(x, names)` pins an activation to
+that layout inside a traced step; it is a no-op outside `activation_mesh(mesh)`, so a model
+called without a mesh (tests, CPU tools) runs unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -22,6 +32,7 @@ MESH_AXES = ("slice", "data", "fsdp", "tensor")
 
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("slice", "data", "fsdp"),
+    "length": None,
     "vocab": "tensor",
     "embed": "fsdp",
     "heads": "tensor",
@@ -92,17 +103,56 @@ def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
 def mesh_spec(
     logical: tuple | PartitionSpec | None, shape: tuple[int, ...], mesh: Mesh
 ) -> PartitionSpec:
-    """Logical names → mesh PartitionSpec; a dimension the mesh axis does not divide stays replicated."""
+    """Logical names → mesh PartitionSpec. A dimension the mesh axes do not divide, or whose
+    mesh axes an earlier dimension already took, stays replicated."""
     if logical is None:
         return PartitionSpec()
     names = tuple(logical)
     out = []
+    used: set[str] = set()
     for dim, name in zip(shape, names, strict=False):
-        axes = LOGICAL_RULES.get(name) if name is not None else None
         if name is not None and name not in LOGICAL_RULES:
             raise KeyError(f"logical axis {name!r} has no sharding rule")
-        out.append(axes if axes is not None and dim % _axis_size(mesh, axes) == 0 else None)
+        axes = LOGICAL_RULES.get(name) if name is not None else None
+        group = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        # Size-1 mesh axes shard nothing; dropping them keeps specs short and comparable.
+        group = tuple(a for a in group if a not in used and mesh.shape[a] > 1)
+        if group and dim % _axis_size(mesh, group) == 0:
+            used.update(group)
+            out.append(group[0] if len(group) == 1 else group)
+        else:
+            out.append(None)
     return PartitionSpec(*out)
+
+
+_ACTIVATION_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
+    "activation_mesh", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_mesh(mesh: Mesh | None) -> Iterator[None]:
+    """Within this context (at trace time), `constrain` pins activations on `mesh`."""
+    token = _ACTIVATION_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _ACTIVATION_MESH.reset(token)
+
+
+def current_mesh() -> Mesh | None:
+    """The mesh `activation_mesh` set for the trace in progress, or None."""
+    return _ACTIVATION_MESH.get()
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """x with a sharding constraint from its logical axis names (one per dimension)."""
+    mesh = _ACTIVATION_MESH.get()
+    if mesh is None or mesh.size == 1:
+        return x
+    if len(names) != x.ndim:
+        raise ValueError(f"constrain: {len(names)} names {names} for an array of rank {x.ndim}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, mesh_spec(names, x.shape, mesh)))
 
 
 def batch_sharding(mesh: Mesh, ndim: int, leading: int = 0) -> NamedSharding:

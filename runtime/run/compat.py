@@ -14,7 +14,10 @@ from jobspec.errors import CheckpointError
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
 
-_MODEL_FREE = {"remat"}  # recomputation policy: same numbers, same shapes
+# Recomputation policy and attention kernel: same numbers (to rounding), same shapes.
+_MODEL_FREE = {"remat", "attention"}
+# Keys added after checkpoints were first written, with the value an older checkpoint implies.
+_INTRODUCED = {"model.scan_layers": False}
 
 
 def _flatten(prefix: str, obj: Any, out: dict[str, Any]) -> None:
@@ -70,7 +73,8 @@ def check_compatible(
     # manifest, and the tokenizer is the cause worth naming.
     keys = list(current) + [k for k in saved if k not in current]
     for key in keys:
-        old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        old = saved.get(key, _INTRODUCED.get(key, "<absent>"))
+        new = current.get(key, "<absent>")
         if old != new and key.startswith(TOPOLOGY):
             if reshard:
                 continue

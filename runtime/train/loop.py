@@ -24,7 +24,7 @@ from runtime.data.prepare import ensure_manifest
 from runtime.host import boot
 from runtime.host.coordination import HostWatchdog, StopAgreement
 from runtime.model.build import build_model
-from runtime.model.sharding import batch_sharding, build_mesh, replicated
+from runtime.model.sharding import batch_sharding, build_mesh
 from runtime.run import artifacts
 from runtime.run.checkpoint import CheckpointService, reconciled_entries
 from runtime.run.compat import check_compatible, run_fingerprint
@@ -32,6 +32,7 @@ from runtime.run.meta import CheckpointMeta
 from runtime.run.store import ArtifactStore
 from runtime.train.evaluate import Evaluator
 from runtime.train.optim import build_optimizer
+from runtime.train.program import train_program
 from runtime.train.state import (
     TrainState,
     abstract_opt_state,
@@ -40,7 +41,6 @@ from runtime.train.state import (
     restored_state,
     state_shardings,
 )
-from runtime.train.step import make_train_step
 
 
 @dataclass
@@ -142,19 +142,7 @@ def _prepare(
         manifest, cfg.data, t, cfg.run.seed, jax.process_index(), jax.process_count()
     )
     b_sh = batch_sharding(mesh, 3, leading=1)
-    step_fn = jax.jit(
-        make_train_step(
-            parts.graphdef,
-            tx,
-            schedule,
-            objective=t.objective,
-            pg_clip_epsilon=t.pg_clip_epsilon,
-            router_bias_update_rate=cfg.model.router_bias_update_rate,
-        ),
-        in_shardings=(state_sh, b_sh),
-        out_shardings=(state_sh, replicated(mesh)),
-        donate_argnums=0,
-    )
+    step_fn = train_program(cfg, parts, tx, schedule, state_sh, mesh)
     art = artifacts.RunArtifacts(store, cfg, source_toml)
     art.start(
         resume=resume,

@@ -76,6 +76,7 @@ def make_train_step(
     objective: str = "cross_entropy",
     pg_clip_epsilon: float = 0.2,
     router_bias_update_rate: float = 0.0,
+    loss_chunk_size: int = 0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The jit-able train step. With objective="clipped_pg" every batch also carries
     PG_BATCH_KEYS (float32 [accum, rows, seq_len]) and the loss is the clipped policy gradient."""

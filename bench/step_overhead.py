@@ -25,8 +25,8 @@ from runtime.model.build import build_model
 from runtime.model.sharding import batch_sharding, build_mesh, replicated
 from runtime.train.loss import cross_entropy_sums
 from runtime.train.optim import build_optimizer
+from runtime.train.program import train_program
 from runtime.train.state import new_state, opt_state_shardings, state_shardings
-from runtime.train.step import make_train_step
 
 
 def random_batch(cfg, accum: int, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -55,7 +55,6 @@ def runtime_step(cfg):
     """(jitted step, state, device batch) built exactly as runtime/train/loop.py builds them."""
     t = cfg.training
     mesh = build_mesh(cfg.mesh)
-    rep = replicated(mesh)
     b_sh = batch_sharding(mesh, 3, leading=1)
     host = random_batch(cfg, 1, t.global_batch_size, np.random.default_rng(0))
     shape = (1, t.global_batch_size, t.seq_len)
@@ -64,10 +63,7 @@ def runtime_step(cfg):
     parts = build_model(cfg.model, cfg.run.seed, mesh)
     state_sh = state_shardings(parts, tx, mesh)
     state = new_state(parts, tx, state_sh, cfg.run.seed)  # as the train loop
-    fn = jax.jit(
-        make_train_step(parts.graphdef, tx, schedule),
-        in_shardings=(state_sh, b_sh), out_shardings=(state_sh, rep), donate_argnums=0,
-    )  # fmt: skip
+    fn = train_program(cfg, parts, tx, schedule, state_sh, mesh)
     return fn, state, batch, parts, tx
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,11 @@ def _fill_from_hf(data: dict, source: str) -> dict:
 
 
 def parse_run_config(data: dict, source: str = "run config") -> RunConfig:
+    if "include" in data:
+        raise ConfigError(
+            f"{source}: include: only a run-config file can include others (its paths are "
+            "relative to it); read it with read_toml or resolve_includes first"
+        )
     data = _fill_from_hf(data, source)
     try:
         return RunConfig.model_validate(data)
@@ -95,8 +101,7 @@ def parse_run_config(data: dict, source: str = "run config") -> RunConfig:
         raise ConfigError(describe_validation_error(e, RunConfig, source)) from None
 
 
-def read_toml(path: str | Path) -> dict:
-    p = Path(path)
+def _parse_toml_file(p: Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
     try:
@@ -107,12 +112,64 @@ def read_toml(path: str | Path) -> dict:
         raise ConfigError(f"{p}: not a UTF-8 text file") from None
 
 
+def resolve_includes(
+    data: dict, base: Path, source: str, _chain: tuple[Path, ...] = ()
+) -> tuple[dict, list[Path]]:
+    """`data` with its top-level `include = [PATH, ...]` merged in: each PATH (relative to
+    `base`, the including file's folder) is read and resolved the same way, the files are
+    deep-merged in order and `data`'s own keys last (tables merge key by key; any other value,
+    arrays of tables included, replaces). Returns the merged table, which has no `include` key,
+    and every file read for it, in reading order. A missing file or a cycle is a ConfigError."""
+    if "include" not in data:
+        return data, []
+    names = data["include"]
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(
+            f"{source}: include: expected a list of TOML file paths relative to this file, "
+            f"got {names!r}"
+        )
+    merged: dict = {}
+    files: list[Path] = []
+    for name in names:
+        target = Path(name) if Path(name).is_absolute() else base / name
+        if not target.is_file():
+            raise ConfigError(f"{source}: include: {name!r} not found (looked at {target})")
+        key = target.resolve()
+        if key in _chain:
+            cycle = " -> ".join(str(c) for c in (*_chain[_chain.index(key) :], key))
+            raise ConfigError(f"{source}: include: {name!r} makes an include cycle ({cycle})")
+        sub, deeper = resolve_includes(
+            _parse_toml_file(target), target.parent, str(target), (*_chain, key)
+        )
+        merged = merge(merged, sub)
+        files += [target, *deeper]
+    return merge(merged, {k: v for k, v in data.items() if k != "include"}), files
+
+
+def _read_run_toml(path: str | Path) -> tuple[dict, list[Path]]:
+    p = Path(path)
+    return resolve_includes(_parse_toml_file(p), p.parent, str(p), (p.resolve(),))
+
+
+def read_toml(path: str | Path) -> dict:
+    """The run-config table in the TOML file at `path`, its `include` files merged in."""
+    return _read_run_toml(path)[0]
+
+
 def load_run_config(path: str | Path, overrides: dict | None = None) -> tuple[RunConfig, str]:
-    """(validated config, source TOML text). `overrides` is a nested dict merged over the file."""
-    data = read_toml(path)
+    """(validated config, source TOML text). `overrides` is a nested dict merged over the file.
+
+    The source text is the file as written, or, when it includes others, the merged table as
+    TOML (self-contained: what a run records as config/source.toml)."""
+    data, included = _read_run_toml(path)
+    if included:
+        names = ", ".join(os.path.normpath(f) for f in included)
+        source = f"# {path} with its includes merged in ({names})\n" + tomli_w.dumps(data)
+    else:
+        source = Path(path).read_text()
     if overrides:
         data = merge(data, overrides)
-    return parse_run_config(data, str(path)), Path(path).read_text()
+    return parse_run_config(data, str(path)), source
 
 
 def merge(base: dict, over: dict) -> dict:

@@ -13,7 +13,13 @@ from pydantic import ValidationError
 
 from jobspec.errors import ConfigError
 from jobspec.job_spec import JobSpec
-from jobspec.load import describe_validation_error, merge, parse_run_config, read_toml
+from jobspec.load import (
+    describe_validation_error,
+    merge,
+    parse_run_config,
+    read_toml,
+    resolve_includes,
+)
 from jobspec.run_config import RunConfig
 
 
@@ -21,7 +27,7 @@ from jobspec.run_config import RunConfig
 class LoadedJob:
     spec: JobSpec
     run: RunConfig  # with the spec's output_uri and run.id = run_id applied
-    run_toml: str  # the run config as the hosts will read it (cfg.toml)
+    run_toml: str  # the run config as the hosts will read it (cfg.toml): includes merged in
     spec_yaml: str  # the job spec as given
     path: Path
     run_id: str  # the run id every host will use
@@ -46,7 +52,8 @@ def _read_yaml(path: Path) -> tuple[str, dict]:
 def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = None) -> LoadedJob:
     """The job spec at `path` and its run config, validated once with the run id the hosts use:
     the spec's run_id, else `new_run_id(spec)` (a fresh one), else the job's name (to check a
-    job without submitting it). A run config need not carry a run.id of its own."""
+    job without submitting it). A run config need not carry a run.id of its own. Its `include`
+    files are merged in here, so `run_toml` is self-contained: hosts never see a relative path."""
     p = Path(path)
     yaml_text, text_data = _read_yaml(p)
     try:
@@ -60,7 +67,8 @@ def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = Non
         raw = read_toml(run_path)
         source = str(run_path)
     else:
-        raw, source = dict(spec.run), f"{p}: run"
+        source = f"{p}: run"
+        raw, _ = resolve_includes(dict(spec.run), p.parent, source)  # relative to the job spec
     if spec.output_uri is not None:
         raw = merge(raw, {"run": {"output_uri": spec.output_uri}})
     run_id = spec.run_id or (new_run_id(spec) if new_run_id is not None else spec.name)

@@ -2,31 +2,42 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import jax
 import pytest
+import tomli_w
+import yaml
 from flax import nnx
 
 from jobspec.accelerators import peak_bf16_flops
+from jobspec.catalogue import lookup
 from jobspec.docs import readme_block
-from jobspec.load import load_run_config, parse_run_config, to_toml
+from jobspec.errors import ConfigError
+from jobspec.hf_config import hf_config_from_model, model_fields_from_hf
+from jobspec.job_spec import check_mesh_fits
+from jobspec.load import load_run_config, parse_run_config, read_toml, resolved_dict, to_toml
+from jobspec.load_job import load_job
 from jobspec.run_config import ModelConfig
 from runtime.commands.cli import _overrides
 from runtime.model.flops import flops_per_token, parameter_counts
 from runtime.model.qwen3 import Decoder
 from runtime.run.compat import fingerprint
+from runtime.train.loop import train
 
-from runs import ROOT
+from runs import ROOT, tiny_config
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_validate(path: Path):
     cfg, _ = load_run_config(path)
     assert cfg.training.total_steps > 0
-    assert (
-        parse_run_config(__import__("tomllib").loads(to_toml(cfg))) == cfg
-    )  # serialise round trip
+    assert parse_run_config(tomllib.loads(to_toml(cfg))) == cfg  # serialise round trip
 
 
 def test_readme_reference_is_current():
@@ -93,3 +104,270 @@ def test_parameter_counts_match_the_model(tied):
     assert f["params_counted"] == actual - 97 * 32 + (97 * 32 if tied else 0)
     assert f["attention"] == 12 * 2 * 16 * 4 * 8
     assert f["total"] == 6 * f["params_counted"] + f["attention"]
+
+
+# ---- include: a run config takes sections (e.g. its [model]) from shared files ----------------
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _tiny_run(tmp_path: Path, model_file: str = "models/tiny.toml") -> Path:
+    """run.toml including a [model] file (which includes a dtype preset), overriding one key."""
+    model = {k: v for k, v in tiny_config("m.json", "out")["model"].items()}
+    _write(tmp_path / "presets/bf16.toml", '[model]\ncompute_dtype = "bfloat16"\nremat = "full"\n')
+    _write(
+        tmp_path / model_file,
+        'include = ["../presets/bf16.toml"]\n' + tomli_w.dumps({"model": model}),
+    )
+    run = {k: v for k, v in tiny_config("m.json", str(tmp_path / "runs"), run_id="inc").items()}
+    del run["model"]
+    run["model"] = {"num_layers": 3}
+    return _write(tmp_path / "run.toml", f'include = ["{model_file}"]\n' + tomli_w.dumps(run))
+
+
+def test_include_merges_in_order_with_the_including_file_last(tmp_path):
+    _write(tmp_path / "a.toml", '[model]\nhidden_size = 1\nnum_heads = 1\n[[evals]]\nname = "a"\n')
+    _write(tmp_path / "b.toml", "[model]\nhidden_size = 2\nnum_layers = 2\n")
+    top = _write(
+        tmp_path / "top.toml",
+        'include = ["a.toml", "b.toml"]\n[model]\nnum_layers = 3\n[[evals]]\nname = "top"\n',
+    )
+    data = read_toml(top)
+    assert "include" not in data
+    # Later files override earlier ones key by key; the including file's own keys win.
+    assert data["model"] == {"hidden_size": 2, "num_heads": 1, "num_layers": 3}
+    assert data["evals"] == [{"name": "top"}]  # arrays (of tables) replace, never concatenate
+
+
+def test_included_paths_are_relative_to_the_including_file(tmp_path, monkeypatch):
+    run = _tiny_run(tmp_path)
+    monkeypatch.chdir(tmp_path / "presets")  # the working directory plays no part
+    cfg, _ = load_run_config(run)
+    assert cfg.model.num_layers == 3  # the run's own key
+    assert cfg.model.hidden_size == 32  # from models/tiny.toml
+    assert cfg.model.compute_dtype == "bfloat16"  # from presets/bf16.toml, two levels down
+
+
+def test_resolved_config_and_source_carry_no_include(tmp_path):
+    run = _tiny_run(tmp_path)
+    cfg, source = load_run_config(run)
+    assert "include" not in resolved_dict(cfg)
+    parsed = tomllib.loads(source)
+    assert "include" not in parsed
+    # The source text a run records is self-contained: it loads alone, anywhere, to the same config.
+    alone = _write(tmp_path / "elsewhere/source.toml", source)
+    assert load_run_config(alone)[0] == cfg
+    assert parse_run_config(tomllib.loads(to_toml(cfg))) == cfg
+
+
+def test_a_config_without_include_keeps_its_text(tmp_path):
+    path = _write(
+        tmp_path / "plain.toml", "# comment kept\n" + tomli_w.dumps(tiny_config("m", "o"))
+    )
+    assert load_run_config(path)[1] == path.read_text()
+
+
+@pytest.mark.parametrize(
+    "files,words",
+    [
+        ({"top.toml": 'include = ["nope.toml"]\n'}, ["top.toml", "include", "'nope.toml' not found"]),
+        (
+            {"top.toml": 'include = ["a.toml"]\n', "a.toml": 'include = ["sub/b.toml"]\n',
+             "sub/b.toml": 'include = ["../a.toml"]\n'},
+            ["b.toml: include", "'../a.toml'", "cycle", "a.toml -> "],
+        ),
+        ({"top.toml": 'include = ["top.toml"]\n'}, ["top.toml: include", "cycle"]),
+        ({"top.toml": 'include = "a.toml"\n'}, ["top.toml: include", "expected a list"]),
+        ({"top.toml": 'include = ["a.toml"]\n', "a.toml": "[model\n"}, ["a.toml: TOML syntax error"]),
+    ],
+    ids=["missing", "cycle", "self", "not-a-list", "syntax-in-included"],
+)  # fmt: skip
+def test_bad_includes_are_one_sentence_naming_the_path(tmp_path, files, words):
+    for name, text in files.items():
+        _write(tmp_path / name, text)
+    with pytest.raises(ConfigError) as e:
+        load_run_config(tmp_path / "top.toml")
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_the_same_file_twice_is_no_cycle(tmp_path):
+    _write(tmp_path / "base.toml", "[model]\nnum_heads = 4\n")
+    _write(tmp_path / "a.toml", 'include = ["base.toml"]\n[model]\nhidden_size = 32\n')
+    top = _write(tmp_path / "top.toml", 'include = ["a.toml", "base.toml"]\n')
+    assert read_toml(top) == {"model": {"num_heads": 4, "hidden_size": 32}}
+
+
+def test_a_table_with_include_is_not_parsed_blindly():
+    with pytest.raises(ConfigError, match="include: only a run-config file can include"):
+        parse_run_config({"include": ["x.toml"], **tiny_config("m", "o")})
+
+
+def _render(job: Path, backend: str, tmp_path: Path) -> Path:
+    out = tmp_path / f"render-{backend}"
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    r = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "render", str(job), "--backend", backend, "-o", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_hosts_receive_the_merged_run_config_on_every_backend(tmp_path):
+    _tiny_run(tmp_path / "cfg")
+    job = _write(
+        tmp_path / "jobs/job.yaml",
+        "name: inc\nimage: example.com/jaxjob:1\nrun: ../cfg/run.toml\nhosts: 1\n",
+    )
+    loaded = load_job(job)
+    assert "include" not in tomllib.loads(loaded.run_toml)
+    assert loaded.run.model.compute_dtype == "bfloat16" and loaded.run.model.num_layers == 3
+    for backend in ("local", "slurm", "k8s"):
+        out = _render(job, backend, tmp_path)
+        if backend == "k8s":
+            cm = yaml.safe_load((out / "configmap.yaml").read_text())
+            text = cm["data"]["cfg.toml"]
+        else:
+            text = (out / "cfg.toml").read_text()
+        hosts_read = tomllib.loads(text)
+        assert "include" not in hosts_read, backend
+        assert parse_run_config(hosts_read).model == loaded.run.model, backend
+
+
+def test_an_inline_run_includes_relative_to_the_job_spec(tmp_path):
+    _tiny_run(tmp_path)
+    job = _write(
+        tmp_path / "job.yaml",
+        yaml.safe_dump(
+            {"name": "inl", "run": {"include": ["run.toml"], "training": {"log_every": 7}}}
+        ),
+    )
+    loaded = load_job(job)
+    assert loaded.run.training.log_every == 7 and loaded.run.model.num_layers == 3
+    assert "include" not in tomllib.loads(loaded.run_toml)
+
+
+def test_a_run_records_the_merged_config(tmp_path, prepared):
+    run = _tiny_run(tmp_path)
+    text = run.read_text().replace('manifest = "m.json"', f"manifest = {json.dumps(prepared)}")
+    run.write_text(text)
+    cfg, source = load_run_config(run, {"training": {"target_tokens": 16 * 8 * 2}})
+    train(cfg, source, resume=False, emit=lambda _line: None)
+    run_dir = tmp_path / "runs" / "inc"
+    recorded = tomllib.loads((run_dir / "config/source.toml").read_text())
+    resolved = json.loads((run_dir / "config/resolved.json").read_text())
+    assert "include" not in recorded and "include" not in resolved
+    assert recorded["model"]["compute_dtype"] == "bfloat16"
+    assert resolved["model"]["num_layers"] == 3
+
+
+# ---- real model sizes: configs/models, configs/plan, configs/jobs ------------------------------
+
+MODELS = ROOT / "configs/models"
+# file: (total, without embeddings, active per token), the parameter counts published on the
+# Hugging Face model cards of Qwen/Qwen3-* (the non-embedding count excludes the LM head too).
+PUBLISHED = {
+    "qwen3-0.6b.toml": (0.6e9, 0.44e9, None),
+    "qwen3-1.7b.toml": (1.7e9, 1.4e9, None),
+    "qwen3-4b.toml": (4.0e9, 3.6e9, None),
+    "qwen3-8b.toml": (8.2e9, 6.95e9, None),
+    "qwen3-14b.toml": (14.8e9, 13.2e9, None),
+    "qwen3-32b.toml": (32.8e9, 31.2e9, None),
+    "qwen3-30b-a3b.toml": (30.5e9, 29.9e9, 3.3e9),
+}
+TIED = {"qwen3-0.6b.toml", "qwen3-1.7b.toml", "qwen3-4b.toml"}
+
+
+def test_every_model_file_has_a_published_count():
+    assert sorted(p.name for p in MODELS.glob("*.toml")) == sorted(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_model_files_match_the_published_parameter_counts(name):
+    data = read_toml(MODELS / name)
+    assert list(data) == ["model"], "a model file holds only a [model] section"
+    m = ModelConfig.model_validate(data["model"])
+    assert (m.vocab_size, m.head_dim, m.max_position_embeddings) == (151936, 128, 40960)
+    assert m.tie_word_embeddings == (name in TIED)
+    assert (m.param_dtype, m.compute_dtype, m.remat) == ("float32", "bfloat16", "full")
+    counts = parameter_counts(m)
+    total, non_embedding, active = PUBLISHED[name]
+    assert counts["total"] == pytest.approx(total, rel=0.03)
+    assert counts["non_embedding"] == pytest.approx(non_embedding, rel=0.03)
+    if active is not None:
+        assert m.family == "qwen3_moe"
+        assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size) == (128, 8, 768)
+        used = counts["active_non_embedding"] + counts["embedding"] + counts["lm_head"]
+        assert used == pytest.approx(active, rel=0.03)
+    else:
+        assert m.family == "qwen3"
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_model_files_agree_with_an_hf_import(name):
+    # The same shapes through hf_config: export a config.json, import it, get the file back.
+    m = ModelConfig.model_validate(read_toml(MODELS / name)["model"])
+    fields = model_fields_from_hf(hf_config_from_model(m.model_dump()))
+    assert {k: getattr(m, k) for k in fields} == fields
+
+
+PLANS = sorted((ROOT / "configs/plan").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", PLANS, ids=lambda p: p.name)
+def test_plan_configs_resolve(path: Path):
+    assert "include" in tomllib.loads(path.read_text()), "plan configs share their model file"
+    cfg, source = load_run_config(path)
+    assert "include" not in tomllib.loads(source) and "include" not in resolved_dict(cfg)
+    assert parse_run_config(tomllib.loads(to_toml(cfg))) == cfg
+    assert cfg.data.manifest.startswith("gs://YOUR-BUCKET/")  # a placeholder: plan reads no data
+    assert cfg.training.seq_len == 4096
+    batch_axes = cfg.mesh.slices * cfg.mesh.data * cfg.mesh.fsdp
+    assert cfg.training.global_batch_size % batch_axes == 0
+
+
+def test_the_planned_jobs_are_the_issues():
+    got = {}
+    for p in PLANS:
+        cfg, _ = load_run_config(p)
+        got[p.stem] = (cfg.model.num_layers, cfg.training.global_batch_size, cfg.mesh.size)
+    assert got["qwen3-8b-v5p-256"] == (36, 256, 128)  # 2 sequences a chip on 128 chips
+    assert got["qwen3-8b-h100x32"] == (36, 32, 32)  # 1 sequence a GPU on 4 x 8 H100
+    assert got["qwen3-32b-v5p-256"][0] == 64 and got["qwen3-1.7b-v6e-256"][2] == 256
+    assert any(load_run_config(p)[0].model.family == "qwen3_moe" for p in PLANS)
+
+
+JOBS = sorted((ROOT / "configs/jobs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
+def test_job_specs_fit_their_accelerators(path: Path):
+    job = load_job(path)
+    acc = lookup(job.spec.accelerator)
+    hosts = acc.hosts_per_slice if acc.hosts_per_slice is not None else job.spec.hosts
+    assert hosts is not None
+    devices = acc.chips_per_host * hosts * job.spec.slices
+    assert job.run.mesh.size == devices
+    assert job.run.mesh.slices == job.spec.slices
+    for backend in ("k8s", "slurm") if acc.kind == "gpu" else ("k8s",):
+        check_mesh_fits(job.spec, job.run, backend)
+    assert "include" not in tomllib.loads(job.run_toml)
+    assert parse_run_config(tomllib.loads(job.run_toml)) == job.run
+
+
+def test_the_job_specs_cover_the_targets():
+    targets = set()
+    for p in JOBS:
+        spec = load_job(p).spec
+        targets.add((spec.accelerator, spec.slices, spec.total_hosts))
+    assert targets >= {
+        ("tpu-v5p-256", 1, 32), ("tpu-v5p-256", 2, 64), ("tpu-v6e-256", 1, 64),
+        ("h100-80gb", 1, 4), ("h200", 1, 2),
+    }  # fmt: skip

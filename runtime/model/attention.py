@@ -6,14 +6,54 @@ Attention is causal and, with segment ids [B, T], limited to equal ids (packed d
 see each other). Query head h reads kv head h // (H / KV) (HF's repeat_kv order); scale
 1/sqrt(D); softmax in fp32. `xla` is the einsum reference every other kernel is tested against;
 `masked_attention` is its dense-mask form, which decoding against a KV cache uses.
+
+The kernels:
+
+- `xla`: scores for every (query, key) pair, masked, softmaxed: O(B·H·T²) temporaries.
+- `splash`: the Pallas TPU splash-attention kernel (flash-style, blocks of the causal mask that
+  are all zero are skipped). Packed documents go in as `SegmentIds`, so no T x T mask is ever
+  materialised; GQA is the kernel's own grouped form (k/v [KV, T, D], query head h reads kv
+  head h // (H / KV)). Under a mesh (`sharding.current_mesh()`, set by the train step) it runs
+  inside `jax.shard_map`: batch over the batch axes and heads over `tensor`, the same specs
+  `sharding.mesh_spec` gives every other activation. Off TPU (tests on CPU) the kernel runs in
+  Pallas interpret mode.
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused flash
+  attention, causal by `is_causal` (cuDNN skips the upper triangle). jax 0.10.2's public API has
+  no segment ids: `query_seq_lengths`/`key_value_seq_lengths` only express right padding, one
+  document per row. cuDNN's packed layout (per-row segment lengths and offsets) exists only in
+  the private `jax._src.cudnn` module, needs a static bound on documents per row and a Hopper
+  check that reads the local device (so cannot be compiled deviceless). So packed documents go
+  in through the public `mask` argument: a bool [B, 1, T, T] equal-segment mask that jax turns
+  into an additive bf16/fp16 bias the fused kernel reads blockwise. That costs B·T²·2 bytes of
+  HBM per layer (32 MiB per 4,096-token row, shared by all heads) and a dbias output in the
+  backward pass; with `segment_ids=None` no mask is passed and the kernel is causal only.
+- `auto`: splash on TPU, cudnn on GPU (CUDA), xla elsewhere, by the platform of the devices
+  being compiled for: the current mesh's devices when a mesh is active (so `runtime plan` on a
+  CPU machine compiling for TPU picks splash), else JAX's default backend.
+
+Shapes a kernel cannot take: with `model.attention` set explicitly to `splash` or `cudnn`, a
+`ValueError` naming `model.attention` and the constraint; with `auto`, the step falls back to
+`xla` for that call (auto means the fastest kernel that takes the shape). The constraints are
+in `unsupported`.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from runtime.model import sharding
 
 IMPLS = ("auto", "xla", "cudnn", "splash")
+
+# Splash block sizes: the largest of these that divides T (512 for every seq 2,048-8,192, as
+# MaxText's defaults); the kernel's kv compute block must be a multiple of the 128 TPU lanes.
+_SPLASH_BLOCKS = (512, 256, 128)
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -46,14 +86,190 @@ def xla_attention(
     return masked_attention(q, k, v, causal_mask(q.shape[1], segment_ids))
 
 
+# --- platform ---------------------------------------------------------------------------------
+
+
+def _device_platform(device) -> str:
+    """'tpu', 'cuda', 'rocm' or 'cpu' for a (possibly compile-only) device."""
+    platform = device.platform
+    if platform == "gpu":
+        version = str(getattr(device.client, "platform_version", "")).lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return platform
+
+
+def target_platform() -> str:
+    """The platform the trace in progress compiles for: the current mesh's devices, else JAX's
+    default backend."""
+    mesh = sharding.current_mesh()
+    if mesh is not None:
+        return _device_platform(mesh.devices.flat[0])
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return _device_platform(jax.devices()[0])
+    return backend
+
+
 def resolve(impl: str, platform: str | None = None) -> str:
-    """The kernel `impl` means on `platform` (default: JAX's default backend)."""
+    """The kernel `impl` means on `platform` (default: the platform being compiled for)."""
     if impl not in IMPLS:
         raise ValueError(f"model.attention must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
-    platform = platform or jax.default_backend()
-    return "xla"  # per-platform choice filled in with the kernels
+    platform = platform or target_platform()
+    if platform == "tpu":
+        return "splash"
+    if platform in ("cuda", "gpu"):
+        return "cudnn"
+    return "xla"
+
+
+def unsupported(
+    kernel: str, q: jax.Array, k: jax.Array, segment_ids: jax.Array | None, platform: str
+) -> str | None:
+    """Why `kernel` cannot take these inputs on `platform` (a sentence), or None if it can."""
+    if q.ndim != 4 or k.ndim != 4 or q.shape[2] % k.shape[2]:
+        return f"q [B,T,H,D] and k/v [B,T,KV,D] with KV dividing H (got {q.shape}, {k.shape})"
+    t, d = q.shape[1], q.shape[3]
+    if kernel == "splash":
+        if platform not in ("tpu", "cpu"):
+            return f"splash is a TPU kernel (interpret mode on CPU for tests), not for {platform}"
+        if t % 128:
+            return f"splash needs the sequence length to be a multiple of 128, got {t}"
+    elif kernel == "cudnn":
+        if platform not in ("cuda", "gpu"):
+            return f"cudnn runs on CUDA GPUs only, not {platform}"
+        if q.dtype not in _CUDNN_DTYPES:
+            return f"cudnn needs bfloat16 or float16 q/k/v (model.compute_dtype), got {q.dtype}"
+        if d % 8 or d > 256:
+            return f"cudnn needs a head dim that is a multiple of 8 and at most 256, got {d}"
+        if segment_ids is not None and t % 2:
+            return f"cudnn with a document mask needs an even sequence length, got {t}"
+    return None
+
+
+# --- splash (TPU) -----------------------------------------------------------------------------
+
+
+def _splash_block(t: int) -> int:
+    return next(b for b in _SPLASH_BLOCKS if t % b == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(heads: int, t: int, interpret: bool):
+    """The splash kernel for `heads` local query heads over T tokens, causal (built once per
+    shape: the mask's block structure is computed in numpy at construction)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    blk = _splash_block(t)
+    block_sizes = sa.BlockSizes(
+        block_q=blk,
+        block_kv=blk,
+        block_kv_compute=blk,
+        block_q_dkv=blk,
+        block_kv_dkv=blk,
+        block_kv_dkv_compute=blk,
+        block_q_dq=blk,
+        block_kv_dq=blk,
+    )
+    mask = sa.MultiHeadMask([sa.CausalMask((t, t)) for _ in range(heads)])
+    # Built at trace time: the mask tables must be concrete, and are kept as numpy so the cached
+    # kernel holds no jax value of any one trace or device (they become constants of the step).
+    with jax.ensure_compile_time_eval():
+        kernel = sa.make_splash_mha(
+            mask, block_sizes=block_sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+        )
+    return jax.tree.map(np.asarray, kernel)
+
+
+def _splash_local(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, interpret: bool
+) -> jax.Array:
+    """Splash on one device's shard: q [b,T,h,D], k/v [b,T,kv,D], segment_ids [b,T] | None."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    _, t, h, d = q.shape
+    kernel = _splash_kernel(h, t, interpret)
+    # The kernel takes heads-major [H, T, D] per example and applies no scale of its own.
+    qh = jnp.swapaxes(q * jnp.asarray(d**-0.5, q.dtype), 1, 2)
+    kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    if segment_ids is None:
+        out = jax.vmap(lambda a, b, c: kernel(a, b, c))(qh, kh, vh)
+    else:
+        out = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=SegmentIds(s, s)))(
+            qh, kh, vh, segment_ids
+        )
+    return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+
+
+def splash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """Splash attention; inside `jax.shard_map` over the current mesh when there is one."""
+    mesh = sharding.current_mesh()
+    if mesh is None:
+        return _splash_local(q, k, v, segment_ids, interpret)
+    q_spec = sharding.mesh_spec(("batch", None, "heads", None), q.shape, mesh)
+    kv_spec = sharding.mesh_spec(("batch", None, "kv_heads", None), k.shape, mesh)
+    if q_spec[2] is not None and kv_spec[2] != q_spec[2]:
+        # Query heads split over `tensor` but KV heads too few to split: give every query head
+        # its own copy of its kv head (repeat_kv order), so each shard's groups line up.
+        rep = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        kv_spec = q_spec
+    seg_spec = PartitionSpec(q_spec[0], None)
+    local = functools.partial(_splash_local, interpret=interpret)
+    if segment_ids is None:
+        fn = jax.shard_map(
+            lambda a, b, c: local(a, b, c, None),
+            mesh=mesh,
+            in_specs=(q_spec, kv_spec, kv_spec),
+            out_specs=q_spec,
+            check_vma=False,
+        )
+        return fn(q, k, v)
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )
+    return fn(q, k, v, segment_ids)
+
+
+# --- cudnn (GPU) ------------------------------------------------------------------------------
+
+
+def document_mask(segment_ids: jax.Array) -> jax.Array:
+    """bool [B, 1, T, T]: key s is in query t's document (causality is applied separately)."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def cudnn_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    implementation: str = "cudnn",
+) -> jax.Array:
+    """cuDNN fused attention through `jax.nn.dot_product_attention` (GQA native, layout BTNH).
+    `implementation="xla"` runs the very same call through jax's XLA path, which is how the
+    arguments are checked on a machine without a GPU."""
+    mask = None if segment_ids is None else document_mask(segment_ids)
+    out = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True, implementation=implementation
+    )
+    return out.astype(q.dtype)
+
+
+# --- entry point ------------------------------------------------------------------------------
 
 
 def attend(
@@ -65,7 +281,20 @@ def attend(
     impl: str = "xla",
 ) -> jax.Array:
     """Causal (and segment-limited) attention with the chosen kernel."""
-    kernel = resolve(impl)
-    if kernel == "xla":
-        return xla_attention(q, k, v, segment_ids)
-    raise NotImplementedError(f"model.attention = {kernel!r} is not built yet")
+    platform = target_platform()
+    kernel = resolve(impl, platform)
+    if kernel != "xla":
+        reason = unsupported(kernel, q, k, segment_ids, platform)
+        if reason is not None:
+            if impl == "auto":
+                kernel = "xla"
+            else:
+                raise ValueError(
+                    f"model.attention = {impl!r} cannot take this attention call: {reason}; "
+                    "set model.attention to 'xla' or 'auto' (which falls back to xla)"
+                )
+    if kernel == "splash":
+        return splash_attention(q, k, v, segment_ids, interpret=platform != "tpu")
+    if kernel == "cudnn":
+        return cudnn_attention(q, k, v, segment_ids)
+    return xla_attention(q, k, v, segment_ids)

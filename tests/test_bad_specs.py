@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runs import tiny_config, write_config
+from runs import stderr_lines, tiny_config, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = "name: ok\nhosts: 2\nrun: run.toml\n"
@@ -74,7 +74,7 @@ def test_bad_spec_is_one_sentence_and_submits_nothing(case, run_files, tmp_path)
     )  # fmt: skip
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and r.stdout == ""
-    lines = r.stderr.strip().splitlines()
+    lines = stderr_lines(r.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     for w in words:
         assert w in lines[0], (w, lines[0])

@@ -24,7 +24,7 @@ from runtime.hf.files import INDEX, SINGLE, read_safetensors  # noqa: E402
 from runtime.model.build import build_model  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 
-from runs import run_cli, tiny_config, write_config  # noqa: E402
+from runs import run_cli, stderr_lines, tiny_config, write_config  # noqa: E402
 
 TOL = 1e-4
 BATCH = np.array([[1, 5, 9, 77, 3, 120, 64, 2], [100, 0, 42, 42, 7, 19, 88, 127]], np.int32)
@@ -154,14 +154,14 @@ def test_cli_import_then_export_and_sample(tmp_path):
     # Imported without --config there is no data to evaluate on: one sentence, not a bad path.
     r = run_cli("eval", "checkpoint", str(run_dir), "--checkpoint", "latest")
     assert r.returncode == 2 and "has no data manifest" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert len(stderr_lines(r.stderr)) == 1
     # A second import into the same run dir, or from a dir that is not there, is one sentence.
     r = run_cli("import", "hf", str(src), "--out", str(run_dir))
     assert r.returncode == 2 and "already has checkpoints" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert len(stderr_lines(r.stderr)) == 1
     r = run_cli("import", "hf", str(tmp_path / "missing"), "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "is not a directory" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert len(stderr_lines(r.stderr)) == 1
 
 
 def test_init_from_fills_model_keys_and_toml_wins(tmp_path):

@@ -23,7 +23,7 @@ from runtime.train.loop import train
 from runtime.train.loss import token_logprobs
 from runtime.train.step import PG_BATCH_KEYS
 
-from runs import read_jsonl, run_cli, tiny_config, write_config
+from runs import read_jsonl, run_cli, stderr_lines, tiny_config, write_config
 
 PG_FIELDS = ("loss_mask", "advantages", "old_logprobs")
 
@@ -189,7 +189,7 @@ def test_bad_rollouts_fail_with_one_sentence(tmp_path, lines, expected):
     src.write_text("\n".join(lines) + "\n")
     res = run_cli("data", "prepare", "--format", "rollouts", "--input", str(src),
                   "--out", str(tmp_path / "out"))  # fmt: skip
-    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    err = stderr_lines(res.stderr)
     assert res.returncode == 2 and len(err) == 1 and "Traceback" not in res.stderr, res.stderr
     assert expected in err[0], err[0]
     assert not (tmp_path / "out/manifest.json").exists()

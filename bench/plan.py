@@ -1,0 +1,104 @@
+"""Plans a matrix of real model sizes for real targets and prints one JSON row per plan.
+
+Each plan is `runtime plan CFG --accelerator A --json` in its own process (the exact train step a
+worker would run, compiled on this machine for the target's compile-only devices; no hardware,
+no data). Rows: model, target, seq, batch per chip, remat, scan, fits, peak GiB per chip, HBM
+GiB, compiled and analytic FLOPs per step and their ratio, collective bytes per step, compile
+seconds. All figures are compiled estimates, not measurements on the chip.
+
+    python bench/plan.py                       # the issue's matrix (minutes per TPU pod plan)
+    python bench/plan.py --only qwen3-8b-v5p   # rows whose name contains the string
+    python bench/plan.py --quick               # a tiny model on small targets (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name: (run config, accelerator, extra CLI args, --set overrides)
+MATRIX: dict[str, tuple[str, str, list[str], list[str]]] = {
+    "qwen3-8b-v5p256-seq4096": ("configs/plan/qwen3-8b-v5p-256.toml", "tpu-v5p-256", [], []),
+    "qwen3-8b-v5p256-seq4096-remat-none": (
+        "configs/plan/qwen3-8b-v5p-256.toml", "tpu-v5p-256", [], ["model.remat=none"]),
+    "qwen3-8b-4L-v5p256-seq4096": (
+        "configs/plan/qwen3-8b-v5p-256.toml", "tpu-v5p-256", [], ["model.num_layers=4"]),
+    "qwen3-8b-v5p256-seq2048": (
+        "configs/plan/qwen3-8b-v5p-256.toml", "tpu-v5p-256", [],
+        ["training.seq_len=2048"]),
+    "qwen3-1.7b-v5p256-seq4096": (
+        "configs/plan/qwen3-8b-v5p-256.toml", "tpu-v5p-256", [],
+        ["include=[\"../models/qwen3-1.7b.toml\"]"]),
+    "qwen3-8b-h100x32-seq4096": ("configs/plan/qwen3-8b-h100x32.toml", "h100-80gb", ["--hosts", "4"], []),
+    "qwen3-32b-v5p256-seq4096": ("configs/plan/qwen3-32b-v5p-256.toml", "tpu-v5p-256", [], []),
+}  # fmt: skip
+
+
+def run_plan(cfg: str, accelerator: str, extra: list[str], sets: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "runtime", "plan", cfg, "--accelerator", accelerator, "--json"]
+    cmd += extra
+    for s in sets:
+        cmd += ["--set", s]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    try:
+        report = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    report["_wall_s"] = wall
+    return report
+
+
+def row(name: str, report: dict) -> dict:
+    mem, flops, coll = report["memory"], report["flops"], report["collectives"]
+    return {
+        "name": name,
+        "model": report["model"],
+        "target": report["target"]["name"],
+        "devices": report["target"]["devices"],
+        "seq": report["seq_len"],
+        "batch_per_chip": report["batch_per_chip"],
+        "remat": report["remat"],
+        "scan_layers": report["scan_layers"],
+        "fits": mem["fits"],
+        "peak_gib_per_chip": round(mem["peak_bytes"] / 2**30, 3),
+        "temp_gib_per_chip": round(mem["temp_bytes"] / 2**30, 3),
+        "args_gib_per_chip": round(mem["argument_bytes"] / 2**30, 3),
+        "hbm_gib": round(mem["hbm_bytes"] / 2**30, 2),
+        "free_fraction": mem["headroom_fraction"],
+        "compiled_flops_per_step": flops["compiled_per_step"],
+        "analytic_flops_per_step": flops["analytic_per_step"],
+        "compiled_over_analytic": flops["ratio"],
+        "collective_bytes_per_step": coll["total_bytes"],
+        "compile_s": round(report["compile_seconds"], 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="run the rows whose name contains this")
+    ap.add_argument("--quick", action="store_true", help="tiny model, small targets (seconds)")
+    args = ap.parse_args()
+    matrix = MATRIX
+    if args.quick:
+        tiny = "configs/plan/tiny.toml"
+        matrix = {
+            "tiny-v5p8": (tiny, "tpu-v5p-8", [], ["mesh.fsdp=4"]),
+            "tiny-h100x8": (tiny, "h100-80gb", ["--hosts", "1"], ["mesh.fsdp=8"]),
+        }
+    for name, (cfg, acc, extra, sets) in matrix.items():
+        if args.only in name:
+            print(json.dumps(row(name, run_plan(cfg, acc, extra, sets))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -359,6 +359,17 @@ def list_cmd(with_status: bool, as_json: bool) -> None:
         click.echo(f"{r['run_id']:<48} {r['backend']:<6} {r['submitted'][:19]}Z{state}")
 
 
+@cli.command("plan")
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def plan_cmd(job: str, as_json: bool) -> None:
+    """Compile JOB's train step for its accelerator, hosts and slices (`runtime plan`) and print
+    memory per chip, FLOPs and collectives. Exits 0 fits, 1 does not fit, 2 bad input."""
+    from launch.plan import run_plan
+
+    sys.exit(run_plan(job, as_json))
+
+
 @cli.command("schema")
 def schema_cmd() -> None:
     """Print the JSON Schema of job.yaml (for editors and validators)."""

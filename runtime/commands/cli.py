@@ -292,6 +292,23 @@ def preflight_cmd(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
         sys.exit(1)
 
 
+@cli.command("plan")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--accelerator", required=True, help="Catalogue name, e.g. tpu-v5p-256, h100-80gb.")
+@click.option("--hosts", type=int, default=None, help="Hosts (GPU nodes); TPU: fixed by the slice.")
+@click.option("--slices", type=int, default=1, show_default=True, help="TPU slices.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@SET_OPTION
+def plan_cmd(config, accelerator, hosts, slices, as_json, sets) -> None:
+    """Compile CONFIG's train step for an accelerator this machine need not have; report memory
+    per chip, FLOPs and collectives. Exits 0 fits, 1 does not fit (report printed), 2 bad input."""
+    from runtime.commands.plan import prepare_environment, run_plan
+
+    prepare_environment()
+    cfg, _ = _load(config, sets)
+    run_plan(cfg, accelerator, hosts, slices, as_json)
+
+
 @cli.command("inspect")
 @click.argument("run")
 @click.option("--json", "as_json", is_flag=True)

@@ -133,14 +133,45 @@ def preflight(cfg: RunConfig) -> dict[str, Any]:
     check("output", output)
     est = memory_estimate(cfg, len(devices))
     limit = _device_limit()
-    fits = limit is None or est["per_device_bytes"] < limit
-    gib = est["per_device_bytes"] / 2**30
+    compiled = compiled_memory(cfg, devices, limit)
+    if compiled is not None and compiled["source"] == "compiled":
+        mem, per_device = compiled, compiled["peak_bytes"]
+        detail = (
+            f"{per_device / 2**30:.2f} GiB per device, compiled (params "
+            f"{compiled['arguments']['parameters'] / 2**30:.2f}, optimizer "
+            f"{compiled['arguments']['optimizer_state'] / 2**30:.2f}, temporaries "
+            f"{compiled['temp_bytes'] / 2**30:.2f} GiB)"
+        )
+        fits = limit is None or per_device <= limit
+    elif compiled is not None:  # the compiler itself ran out of memory
+        mem, fits = compiled, False
+        detail = f"does not compile on these devices: {compiled['message']}"
+    else:
+        mem, per_device = {"source": "estimate", **est}, est["per_device_bytes"]
+        fits = limit is None or per_device < limit
+        detail = f"~{per_device / 2**30:.2f} GiB per device, estimated (the step did not compile)"
     checks.append(
         {
             "name": "memory",
             "ok": fits,
-            "detail": f"~{gib:.2f} GiB per device"
+            "detail": detail
             + (f" of {limit / 2**30:.1f} GiB" if limit else " (device reports no limit)"),
         }
     )
-    return {"checks": checks, "memory": est}
+    return {"checks": checks, "memory": mem, "memory_estimate": est}
+
+
+def compiled_memory(cfg: RunConfig, devices: list, limit: int | None) -> dict[str, Any] | None:
+    """The train step compiled for this job's own devices: per-device bytes as XLA accounts them
+    (`runtime.plan.compile.memory_report`), the compiler's out-of-memory report, or None when it
+    cannot be compiled here (say, a mesh that does not match the devices) and the estimate must do.
+    """
+    from runtime.plan.compile import compile_program, memory_report, oom_report
+
+    try:
+        prog, _, compiled, _ = compile_program(cfg, devices)
+    except Exception:  # any failure to build or compile: the estimate is the fallback
+        return None
+    if isinstance(compiled, Exception):
+        return oom_report(str(compiled), "", limit)
+    return memory_report(compiled, prog, limit)

@@ -1,0 +1,44 @@
+"""`launch plan job.yaml`: the job's compiled plan, from `runtime plan` in a subprocess.
+
+`launch` never imports jax: the job spec gives the run config, accelerator, hosts and slices,
+and `python -m runtime plan` compiles the step for them. Its output and exit code are the
+command's (0 fits, 1 does not fit, 2 bad input).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from jobspec.load_job import load_job
+
+
+def plan_command(job_path: str, as_json: bool) -> tuple[list[str], dict[str, str], str]:
+    """(argv, environment, run-config TOML) of the `runtime plan` run for this job spec."""
+    job = load_job(job_path)
+    spec = job.spec
+    argv = [sys.executable, "-m", "runtime", "plan", "CFG", "--accelerator", spec.accelerator]
+    env = dict(os.environ)
+    if spec.catalogue.kind == "cpu":
+        # The cpu target is the planning process's own devices: as many as the job would use.
+        devices = spec.host_processes("local") * spec.devices_per_host("local")
+        flag = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+    else:
+        argv += ["--hosts", str(spec.hosts_per_slice), "--slices", str(spec.slices)]
+    if as_json:
+        argv.append("--json")
+    return argv, env, job.run_toml
+
+
+def run_plan(job_path: str, as_json: bool) -> int:
+    """Run `runtime plan` for the job; its output goes straight to this process's own."""
+    argv, env, run_toml = plan_command(job_path, as_json)
+    with tempfile.TemporaryDirectory(prefix="jaxjob-plan-") as tmp:
+        cfg = Path(tmp) / "cfg.toml"
+        cfg.write_text(run_toml)
+        argv[argv.index("CFG")] = str(cfg)
+        return subprocess.run(argv, env=env, check=False).returncode

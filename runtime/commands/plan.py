@@ -1,0 +1,106 @@
+"""`runtime plan CFG --accelerator NAME`: compile the train step for hardware this machine lacks.
+
+The process never looks for chips: JAX_PLATFORMS defaults to cpu before jax starts (compile-only
+TPU and GPU devices need no platform), so the command starts as quickly as any other.
+Exit codes: 0 the plan fits (or the cpu target, which reports no HBM), 1 it does not fit (the
+report is printed all the same), 2 bad input (one sentence).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+EXIT_DOES_NOT_FIT = 1
+
+
+def _gib(n: int | float | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _flops(n: float | None) -> str:
+    return "?" if n is None else f"{n:.3e}"
+
+
+def render(report: dict) -> str:
+    t, m = report["target"], report["memory"]
+    lines = [
+        f"target      {t['accelerator']} x {t['hosts']} host(s) x {t['slices']} slice(s) = "
+        f"{t['devices']} x {report['device_kind']} ({t['topology']})",
+        f"mesh        slices={report['mesh']['slices']} data={report['mesh']['data']} "
+        f"fsdp={report['mesh']['fsdp']} tensor={report['mesh']['tensor']}",
+        f"compile     {report['compile_seconds']:.1f} s"
+        + ("" if report["compiled"] else " (failed: out of memory)"),
+    ]
+    fits = {True: "fits", False: "DOES NOT FIT", None: "no HBM figure"}[m["fits"]]
+    head = "" if m["headroom"] is None else f", headroom {m['headroom']:.1%}"
+    lines.append(
+        f"memory      peak {_gib(m['peak_bytes'])} of {_gib(m['hbm_bytes'])}: {fits}{head}"
+    )
+    if report["compiled"]:
+        a = m["arguments"]
+        lines += [
+            "  per chip  "
+            + "  ".join(
+                f"{k} {_gib(v)}"
+                for k, v in (
+                    ("params", a["parameters"]),
+                    ("opt", a["optimizer_state"]),
+                    ("other args", a["other"]),
+                    ("temp", m["temp_bytes"]),
+                    ("out", m["output_bytes"]),
+                    ("alias", m["alias_bytes"]),
+                )
+            )  # fmt: skip
+        ]
+    else:
+        lines.append(f"  compiler  {m['message']}")
+    if m.get("largest_buffers"):
+        lines.append("  largest buffers")
+        for b in m["largest_buffers"][:5]:
+            lines.append(f"    {_gib(b['bytes']):>12}  {b['shape']}  {b['name']}")
+    f = report["flops"]
+    if "compiled" in f:
+        lines.append(
+            f"FLOPs/chip  compiled {_flops(f['compiled']['per_chip'])}, analytic "
+            f"{_flops(f['analytic']['per_chip'])} (ratio {f['compiled_over_analytic']})"
+            + (f", {f['seconds_at_peak'] * 1e3:.2f} ms at peak" if f["seconds_at_peak"] else "")
+        )
+        c = report["collectives"]
+        kinds = ", ".join(
+            f"{k} {v['count']} ({_gib(v['bytes'])})" for k, v in c["by_kind"].items() if v["count"]
+        )
+        across = c["total"]["count"] - sum(v["count"] for v in c["within_slice"].values())
+        lines.append(
+            f"collectives {c['total']['count']}: {kinds or 'none'}; {across} across slices"
+        )
+    return "\n".join(lines)
+
+
+def prepare_environment() -> None:
+    """Before jax starts: no chip probing (compile-only devices need no platform), and no
+    libtpu lock (compile-only TPU devices touch no chip, so a training process holding the lock
+    on a TPU VM must not stop a plan)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def run_plan(cfg, accelerator: str, hosts: int | None, slices: int, as_json: bool) -> None:
+    """`runtime plan`: print the report; exit 1 when it does not fit."""
+    from runtime.plan.compile import plan
+    from runtime.plan.targets import check_mesh, resolve_target
+
+    target = resolve_target(accelerator, hosts, slices)
+    check_mesh(cfg.mesh.size, cfg.mesh.slices, target)
+    report = plan(cfg, target)
+    click.echo(json.dumps(report, indent=2) if as_json else render(report))
+    if report["memory"]["fits"] is False:
+        sys.exit(EXIT_DOES_NOT_FIT)

@@ -1,0 +1,199 @@
+"""Compile the run's train step for a target and report what each chip would hold and do.
+
+`plan(cfg, target)` lowers `runtime.train.program.abstract_program` (the step `runtime worker`
+jits, with its shardings, donation and accumulation) on the target's mesh, compiles it and
+reads the compiled program: memory per chip (XLA's own accounting), matmul FLOPs and
+collectives counted over every loop iteration (`runtime.plan.hlo`), and the largest buffers.
+A TPU compile that runs out of HBM raises; the report then carries the compiler's message and
+the largest buffers of the dumped buffer assignment. A GPU compile never fails on memory: peak
+is compared with HBM here.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+import time
+from typing import Any
+
+import jax
+
+from jobspec.run_config import RunConfig
+from runtime.model.flops import flops_per_token
+from runtime.model.sharding import build_mesh
+from runtime.plan import hlo
+from runtime.plan.targets import Target, check_mesh
+from runtime.train.program import AbstractProgram, abstract_program
+
+_OOM = re.compile(r"RESOURCE_EXHAUSTED|exceeds available HBM|Ran out of memory", re.I)
+
+
+def _shard_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * leaf.dtype.itemsize
+    return total
+
+
+def memory_report(compiled: Any, prog: AbstractProgram, hbm: int | None) -> dict[str, Any]:
+    """Per-device bytes of a compiled step.
+
+    peak = arguments + temporaries + outputs - aliased outputs. Arguments are live for the whole
+    step; temporaries are XLA's temp allocation, already packed by buffer liveness, so its size
+    is the most intermediate values ever need at once; an output aliased to a donated argument
+    (the new state written over the old) takes no memory of its own, the others (metrics, any
+    state leaf not donated) are fresh buffers. Generated code is reported apart (small).
+    """
+    ma = compiled.memory_analysis()
+    args, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
+    alias, temp = int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes)
+    params = _shard_bytes(prog.state.params)
+    opt = _shard_bytes(prog.state.opt_state)
+    peak = args + temp + out - alias
+    rep: dict[str, Any] = {
+        "source": "compiled",
+        "argument_bytes": args,
+        "arguments": {
+            "parameters": params,
+            "optimizer_state": opt,
+            "other": max(args - params - opt, 0),
+        },  # fmt: skip
+        "output_bytes": out,
+        "alias_bytes": alias,
+        "temp_bytes": temp,
+        "generated_code_bytes": int(ma.generated_code_size_in_bytes),
+        "peak_bytes": peak,
+    }
+    rep.update(_fit(peak, hbm))
+    return rep
+
+
+def _fit(peak: int | None, hbm: int | None) -> dict[str, Any]:
+    if hbm is None or peak is None:
+        return {"hbm_bytes": hbm, "fits": None, "headroom": None}
+    return {"hbm_bytes": hbm, "fits": peak <= hbm, "headroom": round(1 - peak / hbm, 4)}
+
+
+def _gib(text: str) -> int | None:
+    m = re.match(r"([0-9.]+)\s*([KMGT]?)i?B?", text)
+    if not m:
+        return None
+    return int(float(m.group(1)) * 1024 ** "_KMGT".index(m.group(2) or "_"))
+
+
+def oom_report(message: str, dump_dir: str, hbm: int | None) -> dict[str, Any]:
+    """What a failed (out of memory) TPU compile says: its message, the figures in it, and the
+    largest buffers of the buffer assignment it dumped, if any."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    head = next((ln for ln in lines if _OOM.search(ln)), lines[0] if lines else message)
+    rep: dict[str, Any] = {"source": "compiler error", "message": head[:600], "peak_bytes": None}
+    m = re.search(r"Used\s+([0-9.]+[KMGT]?)\s+of\s+([0-9.]+[KMGT]?)\s+hbm", message)
+    if m:
+        rep["peak_bytes"], rep["compiler_hbm_bytes"] = _gib(m.group(1)), _gib(m.group(2))
+    m = re.search(r"required for ([\w ]+?) \(([0-9.]+[KMGT]?)\)", message)
+    if m:
+        # What the compiler could not place (e.g. "HLO temporaries"): a lower bound on peak.
+        rep["required_for"], rep["required_bytes"] = m.group(1), _gib(m.group(2))
+        rep["peak_bytes"] = rep["peak_bytes"] or rep["required_bytes"]
+    m = re.search(r"exceeds available HBM \(([0-9.]+[KMGT]?)\)", message)
+    if m:
+        rep["compiler_hbm_bytes"] = _gib(m.group(1))
+    rep.update(_fit(rep["peak_bytes"], hbm))
+    rep["fits"] = False
+    rep["largest_buffers"] = _dumped_buffers(dump_dir)
+    return rep
+
+
+def _dumped_buffers(dump_dir: str, top: int = 10) -> list[dict[str, Any]]:
+    """The largest buffers of the last optimized module XLA dumped before it gave up."""
+    if not dump_dir:
+        return []
+    texts = sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")))
+    texts = texts or sorted(glob.glob(os.path.join(dump_dir, "*before_optimizations.txt")))
+    if not texts:
+        return []
+    with open(texts[-1]) as f:
+        return hlo.analyse(f.read(), top=top)["largest_buffers"]
+
+
+def analytic_flops(cfg: RunConfig, devices: int) -> dict[str, float]:
+    t = cfg.training
+    per_step = flops_per_token(cfg.model, t.seq_len)["total"] * t.tokens_per_step
+    return {"per_step": per_step, "per_chip": per_step / devices}
+
+
+def compile_program(cfg: RunConfig, devices: list, dump_dir: str | None = None):
+    """(abstract program, compiled step or the exception, seconds): the step on `devices`."""
+    mesh = build_mesh(cfg.mesh, devices)
+    prog = abstract_program(cfg, mesh)
+    options = {}
+    if dump_dir is not None:
+        # The optimized module and its buffer assignment are dumped even when the compile
+        # then fails on memory, which is how an out-of-memory plan still names its buffers.
+        options = {"xla_dump_to": dump_dir}
+    t0 = time.perf_counter()
+    lowered = prog.step.lower(prog.state, prog.batch)
+    try:
+        compiled = lowered.compile(options or None)
+    except Exception as e:  # XlaRuntimeError (and JaxRuntimeError) carry the compiler's message
+        if not _OOM.search(str(e)):
+            raise
+        compiled = e
+    return prog, mesh, compiled, time.perf_counter() - t0
+
+
+def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
+    """The compiled plan of cfg's train step on `target`: JSON-serialisable, per chip."""
+    check_mesh(cfg.mesh.size, cfg.mesh.slices, target)
+    devices = target.devices
+    n = len(devices)
+    with tempfile.TemporaryDirectory(prefix="jaxjob-plan-") as tmp:
+        # Only a TPU compile fails on memory; its dump then still names the largest buffers.
+        dump = tmp if target.kind == "tpu" else None
+        prog, mesh, compiled, seconds = compile_program(cfg, devices, dump)
+        report: dict[str, Any] = {
+            "target": target.describe(),
+            "mesh": {
+                "slices": cfg.mesh.slices,
+                "data": cfg.mesh.data,
+                "fsdp": cfg.mesh.fsdp,
+                "tensor": cfg.mesh.tensor,
+            },  # fmt: skip
+            "device_kind": devices[0].device_kind,
+            "compile_seconds": round(seconds, 3),
+            "tokens_per_step": cfg.training.tokens_per_step,
+        }
+        analytic = analytic_flops(cfg, n)
+        if isinstance(compiled, Exception):
+            report["compiled"] = False
+            report["memory"] = oom_report(str(compiled), tmp, target.hbm_bytes)
+            report["flops"] = {"analytic": analytic}
+            return report
+    report["compiled"] = True
+    report["memory"] = memory_report(compiled, prog, target.hbm_bytes)
+    slice_of = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
+    analysis = hlo.analyse(compiled.as_text(), slice_of=slice_of)
+    per_chip = analysis["matmul_flops"]
+    peak = target.peak_flops
+    report["flops"] = {
+        "compiled": {"per_chip": per_chip, "per_step": per_chip * n},
+        "analytic": analytic,
+        "compiled_over_analytic": round(per_chip / analytic["per_chip"], 4)
+        if analytic["per_chip"]
+        else None,
+        "uncounted_custom_calls": analysis["uncounted_custom_calls"],
+        "loops": analysis["loops"],
+        "peak_flops_per_chip": peak,
+        # The matmul time of one step at peak: a lower bound on its step time.
+        "seconds_at_peak": per_chip / peak if peak else None,
+    }
+    report["collectives"] = analysis["collectives"]
+    report["memory"]["largest_buffers"] = analysis["largest_buffers"]
+    return report

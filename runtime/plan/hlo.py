@@ -1,0 +1,499 @@
+"""Reading a compiled program's HLO text: matmul FLOPs, collectives and the largest buffers.
+
+Backend-neutral: the same reader serves TPU, GPU and CPU programs. Every computation is weighted
+by how many times one run of the entry computation executes it: a `while` body by its trip count
+(XLA's `known_trip_count`, else the constant its condition compares the counter with), fusions,
+calls, async wrappers and conditional branches once per execution of their caller. So a
+scanned layer stack counts every layer, which `compiled.cost_analysis()` does not on TPU (it
+counts a loop body once) and cannot on GPU (it returns None).
+
+FLOPs are 2 x multiply-adds of `dot`, `convolution` (TPU lowers matmuls to convolutions) and
+cuBLAS gemm custom calls; elementwise work is not counted, so the figure is the matmul FLOPs an
+MFU is computed from. Custom calls this reader cannot size (fused attention kernels) are
+counted by name, so a report can say what it left out.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_DTYPE_BYTES = {
+    "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+_CALL_ATTR = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_CALL_LIST = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+COLLECTIVE_KINDS = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "all-to-all",
+    "collective-permute",
+    "send",
+    "recv",
+)
+_KIND_OF = {
+    "all-gather": "all-gather",
+    "all-gather-start": "all-gather",
+    "reduce-scatter": "reduce-scatter",
+    "all-reduce": "all-reduce",
+    "all-reduce-start": "all-reduce",
+    "all-to-all": "all-to-all",
+    "ragged-all-to-all": "all-to-all",
+    "collective-permute": "collective-permute",
+    "collective-permute-start": "collective-permute",
+    "collective-broadcast": "collective-permute",
+    "send": "send",
+    "recv": "recv",
+}
+# Ops that name a buffer another op already owns: not buffers of their own.
+_VIEWS = {"get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
+          "replica-id"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Array:
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def bytes(self) -> int:
+        return math.ceil(math.prod(self.dims) * _DTYPE_BYTES.get(self.dtype, 4))
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.dims))}]"
+
+
+def arrays(type_text: str) -> list[Array]:
+    """The array leaves of an HLO type (`f32[8,64]{1,0}` or a tuple of them), in order."""
+    return [
+        Array(d, tuple(int(x) for x in dims.split(",") if x))
+        for d, dims in _ARRAY.findall(type_text)
+        if d in _DTYPE_BYTES
+    ]
+
+
+@dataclass
+class Instr:
+    name: str
+    type_text: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+
+    @property
+    def leaves(self) -> list[Array]:
+        return arrays(self.type_text)
+
+    @property
+    def bytes(self) -> int:
+        return sum(a.bytes for a in self.leaves)
+
+
+@dataclass
+class Computation:
+    name: str
+    entry: bool
+    instrs: dict[str, Instr] = field(default_factory=dict)
+
+
+def _balanced(s: str, i: int) -> int:
+    """Index just past the bracket group opening at s[i]."""
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    stack = []
+    quote = False
+    for j in range(i, len(s)):
+        c = s[j]
+        if quote:
+            if c == '"' and s[j - 1] != "\\":
+                quote = False
+            continue
+        if c == '"':
+            quote = True
+        elif c in pairs:
+            stack.append(pairs[c])
+        elif stack and c == stack[-1]:
+            stack.pop()
+            if not stack:
+                return j + 1
+    return len(s)
+
+
+def _split_top(s: str) -> list[str]:
+    out, depth, cur = [], 0, []
+    for c in s:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        if c == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    if cur:
+        out.append("".join(cur))
+    return [p.strip() for p in out if p.strip()]
+
+
+_INSTR_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
+
+
+def parse_instr(line: str) -> Instr | None:
+    m = _INSTR_HEAD.match(line)
+    if not m:
+        return None
+    rest = line[m.end() :]
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+    else:
+        end = rest.find(" ")
+        if end < 0:
+            return None
+    type_text, rest = rest[:end], rest[end:]
+    om = _OPCODE.match(rest)
+    if not om:
+        return None
+    open_at = om.end() - 1
+    close = _balanced(rest, open_at)
+    args = rest[open_at + 1 : close - 1]
+    operands = [p.split()[-1].lstrip("%") for p in _split_top(args)]
+    return Instr(m.group(1), type_text, om.group(1), operands, rest[close:])
+
+
+@dataclass
+class Module:
+    computations: dict[str, Computation]
+    entry: str
+
+    @classmethod
+    def parse(cls, text: str) -> Module:
+        comps: dict[str, Computation] = {}
+        cur: Computation | None = None
+        entry = ""
+        for line in text.splitlines():
+            if cur is None:
+                h = _HEADER.match(line)
+                if h and not line.startswith((" ", "\t")):
+                    cur = Computation(h.group(2), bool(h.group(1)))
+                    if cur.entry:
+                        entry = cur.name
+                continue
+            if line.strip() == "}":
+                comps[cur.name] = cur
+                cur = None
+                continue
+            ins = parse_instr(line)
+            if ins is not None:
+                cur.instrs[ins.name] = ins
+        if not entry and comps:
+            entry = list(comps)[-1]
+        return cls(comps, entry)
+
+    def _trip_count(self, ins: Instr) -> int | None:
+        m = _TRIP.search(ins.attrs)
+        if m:
+            return int(m.group(1))
+        cm = re.search(r"condition=%?([\w.\-]+)", ins.attrs)
+        cond = self.computations.get(cm.group(1)) if cm else None
+        if cond is None:
+            return None
+        for c in cond.instrs.values():
+            if c.opcode == "compare" and "direction=LT" in c.attrs:
+                for op in c.operands:
+                    k = cond.instrs.get(op)
+                    if k is not None and k.opcode == "constant" and k.operands:
+                        if re.fullmatch(r"-?\d+", k.operands[0]):
+                            return int(k.operands[0])
+        return None
+
+    def weights(self) -> tuple[dict[str, int], dict[str, str], int]:
+        """(executions of each computation per run, how each is called, loops of unknown trip
+        count, counted once)."""
+        edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        how: dict[str, str] = {}
+        unknown = 0
+        for comp in self.computations.values():
+            for ins in comp.instrs.values():
+                if ins.opcode.endswith(("-done", "-update")):
+                    continue  # the -start (or async-start) already called it
+                trips = 1
+                if ins.opcode == "while":
+                    t = self._trip_count(ins)
+                    if t is None:
+                        unknown += 1
+                    trips = t if t is not None else 1
+                for kind, callee in _CALL_ATTR.findall(ins.attrs):
+                    edges[comp.name].append((callee, trips if kind == "body" else 1))
+                    how.setdefault(callee, "fusion" if ins.opcode == "fusion" else kind)
+                for _, names in _CALL_LIST.findall(ins.attrs):
+                    for callee in (n.strip().lstrip("%") for n in names.split(",")):
+                        if callee:
+                            edges[comp.name].append((callee, 1))
+                            how.setdefault(callee, "call")
+        indeg: dict[str, int] = defaultdict(int)
+        for callees in edges.values():
+            for c, _ in callees:
+                indeg[c] += 1
+        weight = {name: 0 for name in self.computations}
+        weight[self.entry] = 1
+        queue = deque(n for n in self.computations if indeg[n] == 0)
+        while queue:
+            u = queue.popleft()
+            for v, f in edges.get(u, ()):
+                if v in weight:
+                    weight[v] += weight[u] * f
+                indeg[v] -= 1
+                if indeg[v] == 0:
+                    queue.append(v)
+        return weight, how, unknown
+
+
+def _dims_attr(attrs: str, key: str) -> list[int]:
+    m = re.search(rf"\b{key}=\{{([0-9,]*)\}}", attrs)
+    return [int(x) for x in m.group(1).split(",") if x] if m else []
+
+
+def _json_dims(attrs: str, key: str) -> list[int]:
+    m = re.search(rf'"{key}":\[([^\]]*)\]', attrs)
+    return [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip('" ')] if m else []
+
+
+def _operand_leaves(comp: Computation, ins: Instr, i: int) -> list[Array]:
+    if i >= len(ins.operands):
+        return []
+    src = comp.instrs.get(ins.operands[i])
+    return src.leaves if src is not None else []
+
+
+def instr_flops(comp: Computation, ins: Instr) -> float | None:
+    """2 x multiply-adds of one matmul-like instruction; None if it is not one."""
+    out = ins.leaves
+    if not out:
+        return None
+    if ins.opcode == "dot":
+        lhs = _operand_leaves(comp, ins, 0)
+        if not lhs:
+            return None
+        k = math.prod(lhs[0].dims[d] for d in _dims_attr(ins.attrs, "lhs_contracting_dims"))
+        return 2.0 * math.prod(out[0].dims) * k
+    if ins.opcode == "convolution":
+        return _conv_flops(comp, ins, out[0])
+    if ins.opcode == "custom-call" and re.search(
+        r'custom_call_target="[^"]*(gemm|matmul)', ins.attrs
+    ):
+        lhs = _operand_leaves(comp, ins, 0)
+        if not lhs:
+            return None
+        k = math.prod(lhs[0].dims[d] for d in _json_dims(ins.attrs, "lhs_contracting_dimensions"))
+        return 2.0 * math.prod(out[0].dims) * k
+    return None
+
+
+def _window(attrs: str, key: str, n: int, default: int) -> list[tuple[int, ...]]:
+    m = re.search(rf"\b{key}=([0-9_x-]+)", attrs)
+    if not m:
+        return [(default,)] * n
+    return [tuple(int(v) for v in part.split("_")) for part in m.group(1).split("x")]
+
+
+def _conv_flops(comp: Computation, ins: Instr, out: Array) -> float | None:
+    """2 x the multiply-adds that touch real input: TPU expresses batched matmuls as
+    convolutions whose dilated or padded window positions hit holes, which do no work."""
+    lhs, rhs = _operand_leaves(comp, ins, 0), _operand_leaves(comp, ins, 1)
+    m = re.search(r"dim_labels=([^_]+)_([^-]+)->([^,\s]+)", ins.attrs)
+    if not lhs or not rhs or not m:
+        return None
+    ll, rl, ol = m.groups()
+    n = sum(c.isdigit() for c in ll)
+    wm = re.search(r"window=\{([^}]*)\}", ins.attrs)
+    w = wm.group(1) if wm else ""
+    size = [s[0] for s in _window(w, "size", n, 1)]
+    stride = [s[0] for s in _window(w, "stride", n, 1)]
+    pad = _window(w, "pad", n, 0)
+    lhs_dil = [s[0] for s in _window(w, "lhs_dilate", n, 1)]
+    rhs_dil = [s[0] for s in _window(w, "rhs_dilate", n, 1)]
+    work = 1
+    for d in range(n):
+        size_in = lhs[0].dims[ll.index(str(d))]
+        size_out = out.dims[ol.index(str(d))]
+        lo = pad[d][0] if pad[d] else 0
+        extent = (size_in - 1) * lhs_dil[d]
+        valid = 0
+        for o in range(size_out):
+            for k in range(size[d]):
+                r = o * stride[d] + k * rhs_dil[d] - lo
+                if 0 <= r <= extent and r % lhs_dil[d] == 0:
+                    valid += 1
+        work *= valid
+    features_in = rhs[0].dims[rl.index("i")]
+    return 2.0 * out.dims[ol.index("b")] * out.dims[ol.index("f")] * features_in * work
+
+
+def _custom_target(ins: Instr) -> str:
+    m = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+    return m.group(1) if m else "?"
+
+
+def _collective_bytes(comp: Computation, ins: Instr, kind: str) -> int:
+    """Per-device payload: all-gather its gathered result, the others their operands."""
+    ins_bytes = sum(
+        a.bytes for i in range(len(ins.operands)) for a in _operand_leaves(comp, ins, i)
+    )
+    if kind == "all-gather":
+        leaves = [a for a in ins.leaves if a.dims]  # drop scalar sync flags of -start tuples
+        n = len(ins.operands)
+        if ins.opcode.endswith("-start") and len(leaves) >= 2 * n:
+            leaves = leaves[-n:]
+        return sum(a.bytes for a in leaves)
+    if kind in ("send", "recv") and not ins_bytes:
+        leaves = ins.leaves
+        return leaves[0].bytes if leaves else 0
+    if kind == "recv":
+        return ins.leaves[0].bytes if ins.leaves else 0
+    return ins_bytes
+
+
+def replica_groups(attrs: str) -> list[list[int]] | None:
+    """The device groups of a collective (explicit, iota or mesh form), or None if absent or
+    in a form this reader does not know. Collective-permute pairs count as groups of two."""
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    if m:
+        return [
+            [int(x) for x in p.split(",")] for p in re.findall(r"\{([0-9,]+)", m.group(1) + "}")
+        ]
+    m = re.search(r"replica_groups=\{(\{[0-9,{} ]*\})\}", attrs)
+    if m:
+        return [
+            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))
+        ]
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names = [a for a, _ in axes]
+        sizes = [int(s) for _, s in axes]
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2)) if a in names]
+        others = [i for i in range(len(names)) if i not in grouped]
+        ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(others + grouped)
+        return ids.reshape(-1, math.prod(sizes[i] for i in grouped) if grouped else 1).tolist()
+    return None
+
+
+def _empty_kinds() -> dict[str, dict[str, int]]:
+    return {k: {"count": 0, "bytes": 0} for k in COLLECTIVE_KINDS}
+
+
+def analyse(text: str, slice_of: list[int] | None = None, top: int = 10) -> dict:
+    """Matmul FLOPs, collectives and largest buffers of one compiled module, per device.
+
+    `slice_of[i]` is the slice of logical device i (the i-th device of the mesh); with more than
+    one slice, a collective is `across_slices` if it is tagged as a megascale (DCN) transfer or
+    one of its groups spans slices, `within_slice` otherwise (`unknown_scope` if its groups are
+    in a form this reader does not know).
+    """
+    mod = Module.parse(text)
+    weight, how, unknown_loops = mod.weights()
+    flops = 0.0
+    unsized: dict[str, int] = defaultdict(int)
+    within, across, unknown_scope = _empty_kinds(), _empty_kinds(), _empty_kinds()
+    multi = slice_of is not None and len(set(slice_of)) > 1
+    buffers: dict[str, dict] = {}
+    loops = []
+    for comp in mod.computations.values():
+        w = weight.get(comp.name, 0)
+        if w == 0:
+            continue
+        materialised = how.get(comp.name) not in ("fusion", "to_apply")
+        for ins in comp.instrs.values():
+            f = instr_flops(comp, ins)
+            if f is not None:
+                flops += w * f
+            elif ins.opcode == "custom-call":
+                target = _custom_target(ins)
+                if not target.startswith(("Sharding", "SPMD", "AllocateBuffer")):
+                    unsized[target] += w
+            if ins.opcode == "while":
+                loops.append({"name": ins.name, "trip_count": mod._trip_count(ins)})
+            kind = _KIND_OF.get(ins.opcode)
+            if kind is None and ins.opcode == "async-start":
+                continue  # its wrapped computation holds the collective, counted there
+            if kind is not None:
+                nbytes = _collective_bytes(comp, ins, kind)
+                if not multi:
+                    scope = within
+                elif "_xla_megascale_transfer_type" in ins.attrs:
+                    scope = across
+                else:
+                    groups = replica_groups(ins.attrs)
+                    if groups is None:
+                        scope = unknown_scope
+                    elif any(
+                        len({slice_of[d] for d in g if d < len(slice_of)}) > 1 for g in groups
+                    ):
+                        scope = across
+                    else:
+                        scope = within
+                scope[kind]["count"] += w
+                scope[kind]["bytes"] += w * nbytes
+            if materialised and ins.opcode not in _VIEWS and ins.leaves:
+                b = ins.bytes
+                if b and (ins.name not in buffers or buffers[ins.name]["bytes"] < b):
+                    op = re.search(r'op_name="([^"]*)"', ins.attrs)
+                    buffers[ins.name] = {
+                        "name": ins.name,
+                        "shape": ", ".join(str(a) for a in ins.leaves[:4])
+                        + (", ..." if len(ins.leaves) > 4 else ""),
+                        "dims": [list(a.dims) for a in ins.leaves[:4]],
+                        "bytes": b,
+                        "opcode": ins.opcode,
+                        "op_name": op.group(1)[-120:] if op else None,
+                    }
+    largest = sorted(buffers.values(), key=lambda b: -b["bytes"])[:top]
+
+    def total(d: dict) -> dict:
+        return {"count": sum(v["count"] for v in d.values()),
+                "bytes": sum(v["bytes"] for v in d.values())}  # fmt: skip
+
+    by_kind = {
+        k: {
+            "count": within[k]["count"] + across[k]["count"] + unknown_scope[k]["count"],
+            "bytes": within[k]["bytes"] + across[k]["bytes"] + unknown_scope[k]["bytes"],
+        }
+        for k in COLLECTIVE_KINDS
+    }
+    return {
+        "matmul_flops": flops,
+        "uncounted_custom_calls": dict(unsized),
+        "loops": loops,
+        "loops_of_unknown_trip_count": unknown_loops,
+        "collectives": {
+            "total": total(by_kind),
+            "by_kind": by_kind,
+            "within_slice": within,
+            "across_slices": across,
+            "unknown_scope": unknown_scope,
+        },
+        "largest_buffers": largest,
+        "all_buffers": list(buffers.values()),
+    }

@@ -1,0 +1,234 @@
+"""`runtime plan` and `launch plan`: the train step compiled for TPU, GPU and CPU targets.
+
+Tiny model (vocab 512, hidden 64, 2 layers, seq 64), compile-only TPU and GPU devices; the CPU
+checks that need 8 host devices run in a subprocess (the device count is fixed at import).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+import tomli_w
+import yaml
+
+from jobspec.errors import ConfigError
+from jobspec.load import parse_run_config
+
+from runs import ROOT, run_cli
+
+MODEL = {"vocab_size": 512, "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+         "num_kv_heads": 2, "intermediate_size": 128, "max_position_embeddings": 64}  # fmt: skip
+
+
+def tiny(fsdp: int = 1, batch: int = 8, **model) -> dict:
+    return {
+        "run": {"id": "plan", "output_uri": "/tmp/jaxjob-plan-test"},
+        "model": {**MODEL, **model},
+        "data": {"manifest": "/nonexistent/manifest.json"},
+        "training": {"seq_len": 64, "global_batch_size": batch, "target_tokens": 64 * batch * 10},
+        "mesh": {"fsdp": fsdp},
+    }
+
+
+@pytest.fixture
+def cfg_path(tmp_path: Path) -> Path:
+    p = tmp_path / "tiny.toml"
+    p.write_text(tomli_w.dumps(tiny()))
+    return p
+
+
+def _plan_json(cfg_path: Path, *args: str) -> dict:
+    r = run_cli("plan", str(cfg_path), "--json", *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+def _check_report(rep: dict, devices: int) -> None:
+    assert rep["compiled"] is True and rep["target"]["devices"] == devices
+    m = rep["memory"]
+    for key in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes"):
+        assert isinstance(m[key], int) and m[key] >= 0, key
+    a = m["arguments"]
+    assert a["parameters"] > 0 and a["optimizer_state"] > a["parameters"]  # AdamW: 2 moments
+    assert (
+        m["peak_bytes"]
+        == m["argument_bytes"] + m["temp_bytes"] + m["output_bytes"] - m["alias_bytes"]
+    )
+    assert m["fits"] is True and 0 < m["headroom"] <= 1 and m["hbm_bytes"] > 2**30
+    assert m["largest_buffers"] and all(b["bytes"] > 0 and b["shape"] for b in m["largest_buffers"])
+    f = rep["flops"]
+    assert f["analytic"]["per_step"] == pytest.approx(f["analytic"]["per_chip"] * devices)
+    # Every matmul of the step, sharded over the mesh: the analytic 6N + attention per chip.
+    assert 0.9 < f["compiled_over_analytic"] < 1.1, f
+    assert f["peak_flops_per_chip"] > 1e14 and f["seconds_at_peak"] > 0
+    c = rep["collectives"]
+    assert c["total"]["count"] > 0 and c["by_kind"]["all-gather"]["count"] > 0
+    assert c["by_kind"]["all-gather"]["bytes"] > 0
+    assert rep["compile_seconds"] > 0
+    json.dumps(rep)
+
+
+def test_plan_tpu_v5p_8_fsdp_4(cfg_path: Path) -> None:
+    rep = _plan_json(cfg_path, "--accelerator", "tpu-v5p-8", "--set", "mesh.fsdp=4")
+    assert rep["device_kind"] == "TPU v5" and rep["target"]["topology"] == "2x2x1"
+    _check_report(rep, 4)
+    assert rep["memory"]["hbm_bytes"] == 95 * 2**30
+
+
+def test_plan_deviceless_h100_node_fsdp_8(cfg_path: Path) -> None:
+    rep = _plan_json(cfg_path, "--accelerator", "h100-80gb", "--hosts", "1", "--set", "mesh.fsdp=8")
+    assert "H100" in rep["device_kind"] and rep["target"]["topology"] == "1x1x8"
+    _check_report(rep, 8)
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (("--accelerator", "tpu-v9-8"), "--accelerator"),
+        (("--accelerator", "tpu-v5p-8", "--set", "mesh.fsdp=8"), "mesh.fsdp"),
+        (("--accelerator", "h100-80gb", "--slices", "2", "--set", "mesh.fsdp=16"), "--slices"),
+        (("--accelerator", "tpu-v5p-32", "--hosts", "2", "--set", "mesh.fsdp=16"), "--hosts"),
+    ],
+)
+def test_bad_targets_are_one_sentence_and_exit_2(cfg_path: Path, capsys, args, names) -> None:
+    from runtime.commands.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["plan", str(cfg_path), *args])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and names in err, err
+
+
+def test_resolve_target_shapes() -> None:
+    from runtime.plan.targets import resolve_target
+
+    t = resolve_target("tpu-v5p-256", slices=2)
+    assert (t.hosts, t.chips_per_host, t.device_count, t.topology) == (32, 4, 256, "4x4x8")
+    g = resolve_target("h200", hosts=4)
+    assert (g.device_count, g.topology, g.hbm_bytes) == (32, "1x4x8", 141 * 10**9)
+    with pytest.raises(ConfigError, match="--hosts"):
+        resolve_target("cpu", hosts=2)
+
+
+_SCALING = textwrap.dedent(
+    """
+    import json, sys
+    from jobspec.load import parse_run_config
+    from runtime.plan.compile import plan
+    from runtime.plan.targets import resolve_target
+    base = json.loads(sys.argv[1])
+    out = {}
+    for fsdp in (1, 2, 4, 8):
+        raw = dict(base, mesh={"fsdp": fsdp, "data": 8 // fsdp})
+        rep = plan(parse_run_config(raw, "tiny"), resolve_target("cpu"))
+        out[fsdp] = {"temp": rep["memory"]["temp_bytes"],
+                     "all_gathers": rep["collectives"]["by_kind"]["all-gather"]["count"],
+                     "buffers": rep["memory"]["largest_buffers"]}
+    print(json.dumps(out))
+    """
+)
+
+
+def _cpu8(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}  # fmt: skip
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="activations are not yet pinned to the batch axes (sharding constraints land with "
+    "branch wt-scan): per-device buffers still hold the global batch",
+)
+def test_fsdp_shrinks_per_device_temporaries_and_shards_the_batch() -> None:
+    """On 8 CPU devices (data x fsdp = 8, so the batch is always split 8 ways): as fsdp grows,
+    parameters and optimizer state shard further and temporaries fall; no per-device buffer
+    carries the global batch (24 rows; every chip should hold 3)."""
+    batch = 24
+    r = _cpu8(_SCALING, json.dumps(tiny(batch=batch)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    temps = [out[f]["temp"] for f in (1, 2, 4, 8)]
+    assert all(a > b for a, b in zip(temps, temps[1:], strict=False)), temps
+    assert out[8]["all_gathers"] > 0
+    for fsdp, o in out.items():
+        full = [b for b in o["buffers"] if any(d and d[0] == batch for d in b["dims"])]
+        assert not full, (fsdp, full)
+
+
+def test_matmul_flops_agree_with_cost_analysis_and_count_every_loop_iteration() -> None:
+    """Unrolled, the HLO count equals XLA's cost analysis (a chain of matmuls has no other
+    work); scanned, cost analysis counts the loop body once, the HLO count every iteration."""
+    from runtime.plan.hlo import analyse
+
+    w = jax.ShapeDtypeStruct((6, 64, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+
+    def unrolled(w, x):
+        for i in range(6):
+            x = x @ w[i]
+        return x
+
+    def scanned(w, x):
+        return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]
+
+    expected = 6 * 2 * 32 * 64 * 64
+    cu = jax.jit(unrolled).lower(w, x).compile()
+    assert cu.cost_analysis()["flops"] == pytest.approx(expected)
+    assert analyse(cu.as_text())["matmul_flops"] == pytest.approx(expected)
+    cs = jax.jit(scanned).lower(w, x).compile()
+    rep = analyse(cs.as_text())
+    assert rep["loops"] and rep["loops"][0]["trip_count"] == 6
+    assert rep["matmul_flops"] == pytest.approx(expected)
+
+
+def test_tiny_model_flops_match_cost_analysis_unrolled() -> None:
+    """The tiny model's step on one CPU device (no loops): matmul FLOPs from the HLO are the
+    bulk of cost analysis' total (which also counts elementwise work) and match 6N + attention."""
+    from runtime.model.sharding import build_mesh
+    from runtime.plan.compile import analytic_flops
+    from runtime.plan.hlo import analyse
+    from runtime.train.program import abstract_program
+
+    cfg = parse_run_config(tiny(), "tiny")
+    prog = abstract_program(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+    compiled = prog.step.lower(prog.state, prog.batch).compile()
+    rep = analyse(compiled.as_text())
+    total = compiled.cost_analysis()["flops"]
+    assert not rep["loops_of_unknown_trip_count"]
+    assert 0.7 * total < rep["matmul_flops"] <= total, (rep["matmul_flops"], total)
+    analytic = analytic_flops(cfg, 1)["per_chip"]
+    assert rep["matmul_flops"] == pytest.approx(analytic, rel=0.05)
+
+
+def test_replica_groups_forms() -> None:
+    from runtime.plan.hlo import replica_groups
+
+    assert replica_groups("replica_groups={{0,1},{2,3}}, x") == [[0, 1], [2, 3]]
+    assert replica_groups("replica_groups=[2,2]<=[4]") == [[0, 1], [2, 3]]
+    assert replica_groups("replica_groups=[2,2]<=[2,2]T(1,0)") == [[0, 2], [1, 3]]
+    assert replica_groups("replica_groups=mesh['a'=2,'b'=2] {'a'}, d") == [[0, 2], [1, 3]]
+
+
+def test_launch_plan_runs_runtime_plan_for_the_job(tmp_path: Path) -> None:
+    job = {"name": "plan-job", "accelerator": "cpu", "hosts": 1, "run": tiny(fsdp=2),
+           "local": {"processes": 1, "devices_per_process": 2}}  # fmt: skip
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    r = subprocess.run([sys.executable, "-m", "launch.cli", "plan", str(path), "--json"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(r.stdout)
+    assert rep["target"] == {**rep["target"], "accelerator": "cpu", "devices": 2}
+    assert rep["compiled"] and rep["memory"]["temp_bytes"] > 0 and rep["memory"]["fits"] is None

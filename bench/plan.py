@@ -3,7 +3,7 @@
 Each plan is `runtime plan CFG --accelerator A --json` in its own process (the exact train step a
 worker would run, compiled on this machine for the target's compile-only devices; no hardware,
 no data). Rows: model, target, seq, batch per chip, remat, scan, fits, peak GiB per chip, HBM
-GiB, compiled and analytic FLOPs per step and their ratio, collective bytes per step, compile
+GiB, compiled and analytic FLOPs per step and their ratio, collective bytes per chip and step, compile
 seconds. All figures are compiled estimates, not measurements on the chip.
 
     python bench/plan.py                       # the matrix (minutes per TPU pod plan)
@@ -58,28 +58,41 @@ def run_plan(cfg: str, accelerator: str, extra: list[str], sets: list[str]) -> d
     return report
 
 
+def _gib(n: int | None) -> float | None:
+    return None if n is None else round(n / 2**30, 3)
+
+
 def row(name: str, report: dict) -> dict:
-    mem, flops, coll = report["memory"], report["flops"], report["collectives"]
+    mem, flops = report["memory"], report["flops"]
+    model, t = report["model"], report["training"]
+    compiled = flops.get("compiled") or {}
+    coll = report.get("collectives") or {}
     return {
         "name": name,
-        "model": report["model"],
+        "parameters": model["parameters"],
         "target": report["target"]["name"],
         "devices": report["target"]["devices"],
-        "seq": report["seq_len"],
-        "batch_per_chip": report["batch_per_chip"],
-        "remat": report["remat"],
-        "scan_layers": report["scan_layers"],
+        "seq": t["seq_len"],
+        "batch_per_chip": t["sequences_per_chip"],
+        "remat": model["remat"],
+        "scan_layers": model["scan_layers"],
+        "attention": model["attention"],
         "fits": mem["fits"],
-        "peak_gib_per_chip": round(mem["peak_bytes"] / 2**30, 3),
-        "temp_gib_per_chip": round(mem["temp_bytes"] / 2**30, 3),
-        "args_gib_per_chip": round(mem["argument_bytes"] / 2**30, 3),
-        "hbm_gib": round(mem["hbm_bytes"] / 2**30, 2),
-        "free_fraction": mem["headroom_fraction"],
-        "compiled_flops_per_step": flops["compiled_per_step"],
-        "analytic_flops_per_step": flops["analytic_per_step"],
-        "compiled_over_analytic": flops["ratio"],
-        "collective_bytes_per_step": coll["total_bytes"],
-        "compile_s": round(report["compile_seconds"], 1),
+        "peak_gib_per_chip": _gib(mem.get("peak_bytes")),
+        "temp_gib_per_chip": _gib(mem.get("temp_bytes")),
+        "args_gib_per_chip": _gib(mem.get("argument_bytes")),
+        "hbm_gib": _gib(mem.get("hbm_bytes")),
+        "headroom": mem.get("headroom"),
+        "compiled_flops_per_step": compiled.get("per_step"),
+        "analytic_flops_per_step": flops["analytic"]["per_step"],
+        "compiled_over_analytic": flops.get("compiled_over_analytic"),
+        "uncounted_custom_calls": flops.get("uncounted_custom_calls"),
+        # Per chip: every collective's result bytes, loop bodies times their trip count.
+        "collective_bytes_per_chip": (coll.get("total") or {}).get("bytes"),
+        "collectives_across_slices_bytes": sum(
+            v["bytes"] for v in (coll.get("across_slices") or {}).values()
+        ),
+        "compile_s": report["compile_seconds"],
     }
 
 

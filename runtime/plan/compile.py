@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from jobspec.run_config import RunConfig
-from runtime.model.flops import flops_per_token
+from runtime.model.flops import flops_per_token, parameter_counts
 from runtime.model.sharding import build_mesh
 from runtime.plan import hlo
 from runtime.plan.targets import Target, check_mesh
@@ -149,6 +149,22 @@ def compile_program(cfg: RunConfig, devices: list, dump_dir: str | None = None):
     return prog, mesh, compiled, time.perf_counter() - t0
 
 
+def _model_summary(cfg: RunConfig) -> dict[str, Any]:
+    m = cfg.model
+    counts = parameter_counts(m)
+    return {
+        "family": m.family,
+        "parameters": counts["total"],
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "param_dtype": m.param_dtype,
+        "compute_dtype": m.compute_dtype,
+        "remat": m.remat,
+        "scan_layers": m.scan_layers,
+        "attention": m.attention,
+    }
+
+
 def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
     """The compiled plan of cfg's train step on `target`: JSON-serialisable, per chip."""
     check_mesh(cfg.mesh.size, cfg.mesh.slices, target)
@@ -167,6 +183,14 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
                 "tensor": cfg.mesh.tensor,
             },  # fmt: skip
             "device_kind": devices[0].device_kind,
+            "model": _model_summary(cfg),
+            "training": {
+                "seq_len": cfg.training.seq_len,
+                "global_batch_size": cfg.training.global_batch_size,
+                "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
+                "sequences_per_chip": cfg.training.global_batch_size / n,
+                "loss_chunk_size": cfg.training.loss_chunk_size,
+            },
             "compile_seconds": round(seconds, 3),
             "tokens_per_step": cfg.training.tokens_per_step,
         }

@@ -24,18 +24,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # name: (run config, accelerator, extra CLI args, --set overrides)
+V5P_8B = "configs/plan/qwen3-8b-v5p-256.toml"
 MATRIX: dict[str, tuple[str, str, list[str], list[str]]] = {
-    "qwen3-8b-v5p256-seq4096": ("configs/plan/qwen3-8b-v5p-256.toml", "tpu-v5p-256", [], []),
-    "qwen3-8b-v5p256-seq4096-remat-none": (
-        "configs/plan/qwen3-8b-v5p-256.toml", "tpu-v5p-256", [], ["model.remat=none"]),
-    "qwen3-8b-4L-v5p256-seq4096": (
-        "configs/plan/qwen3-8b-v5p-256.toml", "tpu-v5p-256", [], ["model.num_layers=4"]),
-    "qwen3-8b-v5p256-seq2048": (
-        "configs/plan/qwen3-8b-v5p-256.toml", "tpu-v5p-256", [],
-        ["training.seq_len=2048"]),
-    "qwen3-1.7b-v5p256-seq4096": (
-        "configs/plan/qwen3-8b-v5p-256.toml", "tpu-v5p-256", [],
-        ["include=[\"../models/qwen3-1.7b.toml\"]"]),
+    "qwen3-8b-v5p256-seq4096": (V5P_8B, "tpu-v5p-256", [], []),
+    "qwen3-8b-v5p256-seq4096-remat-none-unscanned-2L": (
+        V5P_8B, "tpu-v5p-256", [], ["model.remat=none", "model.num_layers=2"]),
+    "qwen3-8b-v5p256-seq4096-remat-full-unscanned-2L": (
+        V5P_8B, "tpu-v5p-256", [], ["model.num_layers=2"]),
+    "qwen3-8b-4L-v5p256-seq4096": (V5P_8B, "tpu-v5p-256", [], ["model.num_layers=4"]),
+    "qwen3-8b-v5p256-seq2048": (V5P_8B, "tpu-v5p-256", [], ["training.seq_len=2048"]),
+    "qwen3-1.7b-v5p256-seq4096": ("configs/plan/qwen3-1.7b-v5p-256.toml", "tpu-v5p-256", [], []),
+    "qwen3-1.7b-v5p256-seq2048": (
+        "configs/plan/qwen3-1.7b-v5p-256.toml", "tpu-v5p-256", [], ["training.seq_len=2048"]),
     "qwen3-8b-h100x32-seq4096": ("configs/plan/qwen3-8b-h100x32.toml", "h100-80gb", ["--hosts", "4"], []),
     "qwen3-32b-v5p256-seq4096": ("configs/plan/qwen3-32b-v5p-256.toml", "tpu-v5p-256", [], []),
 }  # fmt: skip
@@ -53,7 +53,8 @@ def run_plan(cfg: str, accelerator: str, extra: list[str], sets: list[str]) -> d
     try:
         report = json.loads(proc.stdout)
     except json.JSONDecodeError:
-        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        msg = f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        raise SystemExit(msg) from None
     report["_wall_s"] = wall
     return report
 

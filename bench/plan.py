@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 V5P_8B = "configs/plan/qwen3-8b-v5p-256.toml"
 MATRIX: dict[str, tuple[str, str, list[str], list[str]]] = {
     "qwen3-8b-v5p256-seq4096": (V5P_8B, "tpu-v5p-256", [], []),
-    "qwen3-8b-v5p256-seq4096-remat-none-unscanned-2L": (
+    "qwen3-8b-v5p256-seq4096-remat-none-2L": (
         V5P_8B, "tpu-v5p-256", [], ["model.remat=none", "model.num_layers=2"]),
-    "qwen3-8b-v5p256-seq4096-remat-full-unscanned-2L": (
+    "qwen3-8b-v5p256-seq4096-remat-full-2L": (
         V5P_8B, "tpu-v5p-256", [], ["model.num_layers=2"]),
     "qwen3-8b-4L-v5p256-seq4096": (V5P_8B, "tpu-v5p-256", [], ["model.num_layers=4"]),
     "qwen3-8b-v5p256-seq2048": (V5P_8B, "tpu-v5p-256", [], ["training.seq_len=2048"]),
@@ -71,7 +71,7 @@ def row(name: str, report: dict) -> dict:
     return {
         "name": name,
         "parameters": model["parameters"],
-        "target": report["target"]["name"],
+        "target": report["target"]["accelerator"],
         "devices": report["target"]["devices"],
         "seq": t["seq_len"],
         "batch_per_chip": t["sequences_per_chip"],
@@ -87,6 +87,8 @@ def row(name: str, report: dict) -> dict:
         "compiled_flops_per_step": compiled.get("per_step"),
         "analytic_flops_per_step": flops["analytic"]["per_step"],
         "compiled_over_analytic": flops.get("compiled_over_analytic"),
+        "attention_in_kernels": flops.get("attention_in_kernels"),
+        "compiled_over_analytic_dense": flops.get("compiled_over_analytic_dense"),
         "uncounted_custom_calls": flops.get("uncounted_custom_calls"),
         # Per chip: every collective's result bytes, loop bodies times their trip count.
         "collective_bytes_per_chip": (coll.get("total") or {}).get("bytes"),

@@ -202,18 +202,13 @@ def _splash_local(
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
 
 
-def splash_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    *,
-    interpret: bool = False,
-) -> jax.Array:
-    """Splash attention; inside `jax.shard_map` over the current mesh when there is one."""
+def per_shard(local, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None):
+    """`local(q, k, v, segment_ids)` inside `jax.shard_map` over the current mesh (batch over the
+    batch axes, heads over `tensor`, the specs the rest of the model uses), or directly when no
+    mesh is current. Fused kernels are custom calls the partitioner cannot split on its own."""
     mesh = sharding.current_mesh()
     if mesh is None:
-        return _splash_local(q, k, v, segment_ids, interpret)
+        return local(q, k, v, segment_ids)
     q_spec = sharding.mesh_spec(("batch", None, "heads", None), q.shape, mesh)
     kv_spec = sharding.mesh_spec(("batch", None, "kv_heads", None), k.shape, mesh)
     if q_spec[2] is not None and kv_spec[2] != q_spec[2]:
@@ -223,7 +218,6 @@ def splash_attention(
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
         kv_spec = q_spec
     seg_spec = PartitionSpec(q_spec[0], None)
-    local = functools.partial(_splash_local, interpret=interpret)
     if segment_ids is None:
         fn = jax.shard_map(
             lambda a, b, c: local(a, b, c, None),
@@ -241,6 +235,19 @@ def splash_attention(
         check_vma=False,
     )
     return fn(q, k, v, segment_ids)
+
+
+def splash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """Splash attention; inside `jax.shard_map` over the current mesh when there is one."""
+    local = functools.partial(_splash_local, interpret=interpret)
+    return per_shard(local, q, k, v, segment_ids)
 
 
 # --- cudnn (GPU) ------------------------------------------------------------------------------
@@ -296,5 +303,5 @@ def attend(
     if kernel == "splash":
         return splash_attention(q, k, v, segment_ids, interpret=platform != "tpu")
     if kernel == "cudnn":
-        return cudnn_attention(q, k, v, segment_ids)
+        return per_shard(cudnn_attention, q, k, v, segment_ids)
     return xla_attention(q, k, v, segment_ids)

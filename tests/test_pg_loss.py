@@ -156,7 +156,8 @@ def test_cross_entropy_matches_torch(seed):
     assert abs(float(s) / float(c) - ref.item()) <= 1e-6
 
 
-def test_clipped_pg_train_step_reduces_loss():
+@pytest.mark.parametrize("loss_chunk_size", [0, 3])  # 3: chunks of seq 8 with a remainder
+def test_clipped_pg_train_step_reduces_loss(loss_chunk_size):
     model_cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                             intermediate_size=64, max_position_embeddings=32)  # fmt: skip
     mesh = build_mesh(MeshConfig())
@@ -195,6 +196,7 @@ def test_clipped_pg_train_step_reduces_loss():
             optax.constant_schedule(1e-2),
             objective="clipped_pg",
             pg_clip_epsilon=EPS,
+            loss_chunk_size=loss_chunk_size,
         )
     )
     losses = []

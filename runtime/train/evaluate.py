@@ -19,7 +19,7 @@ class Evaluator:
         self.b_sh = batch_sharding(mesh, 3, leading=1)
         rep = replicated(mesh)
         self.step_fn = jax.jit(
-            make_eval_step(parts.graphdef),
+            make_eval_step(parts.graphdef, cfg.training.loss_chunk_size),
             in_shardings=(parts.param_shardings, rep, self.b_sh),
             out_shardings=rep,
         )

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import optax
+
+from runtime.model.sharding import constrain
 
 
 def cross_entropy_sums(
@@ -22,9 +26,11 @@ def cross_entropy_sums(
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """log p(target) at every position, [B, T] float32 (log-softmax taken in float32)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    """log p(target) at every position, [B, T] float32 (computed in float32): the target's logit
+    minus the logsumexp, with no [B, T, V] log-softmax array made."""
+    logits = logits.astype(jnp.float32)
+    target = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return target - jax.nn.logsumexp(logits, axis=-1)
 
 
 def clipped_pg_sums(
@@ -59,3 +65,92 @@ def clipped_pg_sums(
     # gradient is then zero.
     was_clipped = jnp.where(counted & (clipped < unclipped), 1.0, 0.0)
     return loss_sum, jnp.sum(counted.astype(jnp.float32)), jnp.sum(was_clipped)
+
+
+# --- Losses from final hidden states, one sequence chunk of logits at a time ------------------
+
+LossSums = tuple[jax.Array, jax.Array, jax.Array]  # (loss sum, count, clipped count)
+
+
+def head_logits(h: jax.Array, kernel: jax.Array) -> jax.Array:
+    """h [B, T, D] @ kernel [D, V] -> float32 logits [B, T, V], accumulated in float32: the
+    same product as `Decoder.logits`, with the vocab axis pinned to the tensor axis."""
+    logits = jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "length", "vocab"))
+
+
+def _objective_sums(
+    logits: jax.Array, tok: dict[str, jax.Array], objective: str, clip_eps: float
+) -> LossSums:
+    if objective == "clipped_pg":
+        return clipped_pg_sums(
+            logits, tok["targets"], tok["mask"], tok["advantages"], tok["old_logprobs"], clip_eps
+        )
+    return (*cross_entropy_sums(logits, tok["targets"], tok["mask"]), jnp.zeros((), jnp.float32))
+
+
+def hidden_loss_sums(
+    h: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    mask: jax.Array,
+    *,
+    chunk_size: int = 0,
+    objective: str = "cross_entropy",
+    advantages: jax.Array | None = None,
+    old_logprobs: jax.Array | None = None,
+    clip_eps: float = 0.2,
+) -> LossSums:
+    """(loss sum, count, clipped count) of `objective` on the logits h @ kernel, made and dropped
+    `chunk_size` sequence positions at a time so that the [B, T, V] float32 logits never exist.
+
+    h: final-normed hidden states [B, T, D]; kernel: the LM head [D, V] (both compute dtype);
+    targets, mask (and for clipped_pg advantages, old_logprobs): [B, T]. Each chunk's sums are
+    exactly `cross_entropy_sums` / `clipped_pg_sums` of that chunk's logits (clipped count 0 for
+    cross-entropy), so masking semantics are theirs: a masked position adds exactly zero,
+    whatever its inputs. The chunk function is `jax.checkpoint`ed with nothing saved, so the
+    backward pass recomputes a chunk's logits rather than keeping all of them; the chunks run in
+    a `lax.scan`, and a remainder of T % chunk_size positions is one more (shorter) chunk, so no
+    position is padded or computed twice. chunk_size 0 or >= T is one chunk, the plain
+    whole-sequence loss (no recomputation).
+
+    The head gradient is a sum over chunks; it is accumulated in float32 (the kernel enters the
+    scan as float32 and is cast back to its dtype inside), so a bf16 head is not rounded once per
+    chunk.
+    """
+    if objective not in ("cross_entropy", "clipped_pg"):
+        raise ValueError(f"unknown objective {objective!r}")
+    tok = {"targets": targets, "mask": mask}
+    if objective == "clipped_pg":
+        if advantages is None or old_logprobs is None:
+            raise ValueError("clipped_pg needs advantages and old_logprobs")
+        tok |= {"advantages": advantages, "old_logprobs": old_logprobs}
+    b, t, _ = h.shape
+    if chunk_size <= 0 or chunk_size >= t:
+        h = constrain(h, ("batch", "length", "embed"))
+        return _objective_sums(head_logits(h, kernel), tok, objective, clip_eps)
+
+    dtype = kernel.dtype
+
+    @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def chunk(w: jax.Array, hc: jax.Array, tc: dict[str, jax.Array]) -> LossSums:
+        hc = constrain(hc, ("batch", "length", "embed"))
+        return _objective_sums(head_logits(hc, w.astype(dtype)), tc, objective, clip_eps)
+
+    w = kernel.astype(jnp.promote_types(dtype, jnp.float32))
+    n = t // chunk_size
+    full = n * chunk_size
+
+    def split(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [n, B, chunk, ...]
+        x = x[:, :full].reshape(b, n, chunk_size, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    def body(acc: LossSums, xs: tuple) -> tuple[LossSums, None]:
+        return tuple(a + s for a, s in zip(acc, chunk(w, *xs), strict=True)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    sums, _ = jax.lax.scan(body, (zero, zero, zero), (split(h), jax.tree.map(split, tok)))
+    if full < t:
+        rest = chunk(w, h[:, full:], jax.tree.map(lambda x: x[:, full:], tok))
+        sums = tuple(a + s for a, s in zip(sums, rest, strict=True))
+    return sums

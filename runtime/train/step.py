@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 
 from runtime.model.moe import load_max_over_mean, update_router_bias
-from runtime.train.loss import clipped_pg_sums, cross_entropy_sums
+from runtime.train.loss import hidden_loss_sums
 from runtime.train.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -45,28 +45,28 @@ def _loss_sums(
     objective: str = "cross_entropy",
     pg_clip_epsilon: float = 0.2,
     with_loads: bool = False,
+    loss_chunk_size: int = 0,
 ) -> tuple[jax.Array, Any]:
     """(loss sum, count); with_loads: (loss sum, (count, clipped, expert loads [L, E] or None)),
-    where clipped counts the clipped_pg tokens whose ratio was clipped (0 for cross-entropy)."""
+    where clipped counts the clipped_pg tokens whose ratio was clipped (0 for cross-entropy).
+
+    The loss is taken from the final hidden states and the head kernel `loss_chunk_size`
+    positions at a time (train/loss.py `hidden_loss_sums`); 0 = the whole sequence at once."""
     model = nnx.merge(graphdef, params, *others)
-    logits, loads = model.forward_with_loads(mb["inputs"], mb["positions"], mb["segment_ids"])
-    loss_sum, count, clipped = _sums_of(logits, mb, objective, pg_clip_epsilon)
+    h, loads = model.forward_hidden(mb["inputs"], mb["positions"], mb["segment_ids"])
+    pg = objective == "clipped_pg"
+    loss_sum, count, clipped = hidden_loss_sums(
+        h,
+        model.head_kernel(),
+        mb["targets"],
+        mb["loss_mask"],
+        chunk_size=loss_chunk_size,
+        objective=objective,
+        advantages=mb["advantages"] if pg else None,
+        old_logprobs=mb["old_logprobs"] if pg else None,
+        clip_eps=pg_clip_epsilon,
+    )
     return (loss_sum, (count, clipped, loads)) if with_loads else (loss_sum, count)
-
-
-def _sums_of(
-    logits: jax.Array, mb: Batch, objective: str, pg_clip_epsilon: float
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    if objective == "clipped_pg":
-        return clipped_pg_sums(
-            logits,
-            mb["targets"],
-            mb["loss_mask"],
-            mb["advantages"],
-            mb["old_logprobs"],
-            pg_clip_epsilon,
-        )
-    return (*cross_entropy_sums(logits, mb["targets"], mb["loss_mask"]), jnp.zeros(()))
 
 
 def make_train_step(
@@ -79,9 +79,14 @@ def make_train_step(
     loss_chunk_size: int = 0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The jit-able train step. With objective="clipped_pg" every batch also carries
-    PG_BATCH_KEYS (float32 [accum, rows, seq_len]) and the loss is the clipped policy gradient."""
+    PG_BATCH_KEYS (float32 [accum, rows, seq_len]) and the loss is the clipped policy gradient.
+
+    loss_chunk_size > 0: the [rows, seq_len, vocab] float32 logits are made (and, in the backward
+    pass, recomputed) that many positions at a time, never whole; 0 = whole sequence."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if loss_chunk_size < 0:
+        raise ValueError(f"loss_chunk_size must be >= 0, got {loss_chunk_size}")
     rate = float(router_bias_update_rate)
 
     def grad_fn(model_others: tuple, params: Any, mb: Batch) -> Any:
@@ -93,6 +98,7 @@ def make_train_step(
             objective=objective,
             pg_clip_epsilon=pg_clip_epsilon,
             with_loads=True,
+            loss_chunk_size=loss_chunk_size,
         )
         return jax.value_and_grad(loss, has_aux=True)(params, mb)
 
@@ -145,15 +151,18 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[Any, tuple, Batch], dict[str, jax.Array]]:
-    """Loss sums over one [accum, rows, seq_len] batch (accum is 1 for evals).
+def make_eval_step(
+    graphdef: nnx.GraphDef, loss_chunk_size: int = 0
+) -> Callable[[Any, tuple, Batch], dict[str, jax.Array]]:
+    """Loss sums over one [accum, rows, seq_len] batch (accum is 1 for evals); the logits are
+    made `loss_chunk_size` positions at a time as in the train step (0 = whole sequence).
 
     `others` (the non-Param model state) is an argument, not closed over: an MoE run's router
     biases move with training, and the train step donates the arrays it was given."""
 
     def eval_step(params: Any, others: tuple, batch: Batch) -> dict[str, jax.Array]:
         def micro(carry, mb):
-            ls, c = _loss_sums(graphdef, others, params, mb)
+            ls, c = _loss_sums(graphdef, others, params, mb, loss_chunk_size=loss_chunk_size)
             return (carry[0] + ls, carry[1] + c), None
 
         (loss_sum, count), _ = jax.lax.scan(micro, (jnp.zeros(()), jnp.zeros(())), batch)

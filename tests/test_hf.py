@@ -19,7 +19,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.load import parse_run_config  # noqa: E402
 from runtime.commands.hf import import_to_run  # noqa: E402
-from runtime.hf.convert import model_config_from_hf, write_hf  # noqa: E402
+from runtime.hf.convert import flat_params, model_config_from_hf, write_hf  # noqa: E402
 from runtime.hf.files import INDEX, SINGLE, read_safetensors  # noqa: E402
 from runtime.model.build import build_model  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
@@ -61,8 +61,8 @@ def _our_logits(model: nnx.Module, batch: np.ndarray) -> np.ndarray:
     return np.asarray(model(jnp.asarray(batch), positions))
 
 
-def _import(path: Path):
-    cfg = model_config_from_hf(path, init_from=f"hf:{path}")
+def _import(path: Path, **overrides):
+    cfg = model_config_from_hf(path, init_from=f"hf:{path}", **overrides)
     parts = build_model(cfg, 0, build_mesh(parse_mesh()))
     return cfg, parts, nnx.merge(parts.graphdef, parts.params, *parts.others)
 
@@ -73,12 +73,20 @@ def parse_mesh():
     return MeshConfig()
 
 
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_logit_parity_import_and_export(tmp_path, tied):
+def test_logit_parity_import_and_export(tmp_path, tied, scan):
     src = _hf_model(tmp_path / "hf", tied=tied)
     ref = _hf_logits(src, BATCH)
-    cfg, parts, model = _import(src)
-    assert cfg.tie_word_embeddings is tied
+    cfg, parts, model = _import(src, scan_layers=scan)
+    assert cfg.tie_word_embeddings is tied and cfg.scan_layers is scan
+    # Scanned: one stacked [layers, ...] parameter per HF name pattern; unrolled: one per layer.
+    q = (
+        ("layers", "self_attn", "q_proj", "kernel")
+        if scan
+        else ("layers", 0, "self_attn", "q_proj", "kernel")
+    )
+    assert q in flat_params(parts.params)
     ours = _our_logits(model, BATCH)
     diff = float(np.max(np.abs(ours - ref)))
     print(f"import max abs diff ({'tied' if tied else 'untied'}): {diff:.3g}")

@@ -28,6 +28,9 @@ TINY: dict[str, Any] = dict(
     head_dim=8,
     intermediate_size=64,
     max_position_embeddings=64,
+    # These tests read layers by index (model.layers[i]); tests/test_scan.py checks the scanned
+    # (stacked) model against this one.
+    scan_layers=False,
 )
 
 
@@ -246,9 +249,10 @@ EXPECTED_AXES = {
 }
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_every_param_has_logical_axis_names(tie: bool) -> None:
-    model = make(tie_word_embeddings=tie)
+def test_every_param_has_logical_axis_names(tie: bool, scan: bool) -> None:
+    model = make(tie_word_embeddings=tie, scan_layers=scan)
     params = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(params)
     assert len(flat) == len(jax.tree.leaves(params))
@@ -257,12 +261,20 @@ def test_every_param_has_logical_axis_names(tie: bool) -> None:
         assert isinstance(names, tuple) and len(names) == var.ndim, path
         assert set(names) <= set(LOGICAL_AXES), path
         key = next(k for k in reversed(path) if k in EXPECTED_AXES)
-        assert names == EXPECTED_AXES[key], path
+        # Scanned blocks' parameters lead with the stacked-layer axis.
+        stacked = scan and path[0] == "layers"
+        assert names == (("layers",) if stacked else ()) + EXPECTED_AXES[key], path
     # The route the sharding code takes: one PartitionSpec of logical names per Param.
     specs = nnx.get_partition_spec(params)
-    assert specs["layers"][0]["self_attn"]["q_proj"][
-        "kernel"
-    ].get_value() == jax.sharding.PartitionSpec("embed", "heads")
+    P = jax.sharding.PartitionSpec
+    if scan:
+        q = specs["layers"]["self_attn"]["q_proj"]["kernel"].get_value()
+        assert q == P("layers", "embed", "heads")
+        # Kernels are [in, out] (after the layer axis), so an HF weight maps in by a transpose.
+        assert model.layers.self_attn.q_proj.kernel.shape == (2, 32, 4 * 8)
+        assert model.layers.mlp.down_proj.kernel.shape == (2, 64, 32)
+        return
+    assert specs["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value() == P("embed", "heads")
     # Kernels are [in, out], so an HF weight maps in by a transpose.
     assert model.layers[0].self_attn.q_proj.kernel.shape == (32, 4 * 8)
     assert model.layers[0].mlp.down_proj.kernel.shape == (64, 32)

@@ -37,6 +37,9 @@ def moe_cfg(**overrides: Any) -> ModelConfig:
         num_experts_per_tok=2,
         moe_intermediate_size=16,
         rope_theta=10_000.0,
+        # Most tests here read layers by index; the scanned (stacked) layout is checked where
+        # it differs (router-bias update) and against this one in tests/test_scan.py.
+        scan_layers=False,
     )
     base.update(overrides)
     return ModelConfig(**base)
@@ -243,16 +246,18 @@ def test_logits_match_hf_qwen3_moe(norm_topk_prob: bool) -> None:
     assert diff <= 1e-4
 
 
-def test_update_router_bias_moves_toward_balance() -> None:
-    model = build_model_module(moe_cfg(), rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_update_router_bias_moves_toward_balance(scan: bool) -> None:
+    model = build_model_module(moe_cfg(scan_layers=scan), rngs=nnx.Rngs(0))
     _, _, others = nnx.split(model, nnx.Param, ...)
     loads = jnp.array([[0.5, 0.3, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])
     (new,) = update_router_bias((others,), loads, 0.1)
     merged = nnx.merge(nnx.graphdef(model), nnx.state(model, nnx.Param), new)
-    np.testing.assert_allclose(
-        np.asarray(merged.layers[0].mlp.router_bias[...]), [-0.1, -0.1, 0.1, 0.1]
-    )
-    np.testing.assert_allclose(np.asarray(merged.layers[1].mlp.router_bias[...]), 0.0)
+    if scan:  # one stacked [L, E] bias
+        biases = np.asarray(merged.layers.mlp.router_bias[...])
+    else:
+        biases = np.stack([np.asarray(layer.mlp.router_bias[...]) for layer in merged.layers])
+    np.testing.assert_allclose(biases, [[-0.1, -0.1, 0.1, 0.1], [0.0, 0.0, 0.0, 0.0]])
 
 
 def _unsharded_state(params, others, tx) -> TrainState:

@@ -41,18 +41,33 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[Pat
             f"HF checkpoint has tensors jaxjob does not map, e.g. {extra[0]!r} ({len(extra)} in all)"
         )
     out: dict[Path_, np.ndarray] = {}
-    stacks: dict[Path_, dict[int, np.ndarray]] = {}
+    stacks: dict[Path_, dict[tuple[int, ...], np.ndarray]] = {}
     for e in table:
         if e.name not in tensors:
             raise ConfigError(f"HF checkpoint lacks tensor {e.name!r}")
         a = tensors[e.name]
         a = np.ascontiguousarray(a.T) if e.transpose else a
-        if e.expert is None:
+        if not e.index:
             out[e.path] = a
         else:
-            stacks.setdefault(e.path, {})[e.expert] = a
-    for path, per_expert in stacks.items():
-        out[path] = np.stack([per_expert[k] for k in range(len(per_expert))])
+            stacks.setdefault(e.path, {})[e.index] = a
+    for path, parts in stacks.items():
+        out[path] = _stack(path, parts)
+    return out
+
+
+def _stack(path: Path_, parts: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
+    """One array from the HF tensors at each index ([layer], [expert] or [layer, expert]) of a
+    stacked parameter; every index of the grid must be there, with one shape."""
+    shape = tuple(max(i[d] for i in parts) + 1 for d in range(len(next(iter(parts)))))
+    tensors = list(parts.values())
+    if len(parts) != int(np.prod(shape)) or len({a.shape for a in tensors}) != 1:
+        raise ConfigError(
+            f"HF tensors for {_fmt(path)} do not form a full {shape} stack of one shape"
+        )
+    out = np.empty(shape + tensors[0].shape, np.result_type(*{a.dtype for a in tensors}))
+    for index, a in parts.items():
+        out[index] = a
     return out
 
 
@@ -61,8 +76,8 @@ def hf_from_params(cfg: ModelConfig, flat: dict[Path_, Any]) -> dict[str, np.nda
     out: dict[str, np.ndarray] = {}
     for e in spec_for(cfg).hf_names(cfg):
         a = np.asarray(flat[e.path])
-        if e.expert is not None:
-            a = a[e.expert]
+        if e.index:
+            a = a[e.index]
         out[e.name] = np.ascontiguousarray(a.T) if e.transpose else np.ascontiguousarray(a)
     return out
 

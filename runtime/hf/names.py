@@ -5,6 +5,9 @@ A path is the tuple `nnx.to_flat_state` gives, e.g. `("layers", 0, "self_attn", 
 projection transposes; embeddings and norm scales copy as they are. Qwen3-MoE stacks its experts
 ([E, in, out], see runtime/model/moe.py); an entry with `expert = e` is slice e of that stack, which
 HF's saved checkpoints keep as a separate `mlp.experts.{e}.*_proj.weight` per expert.
+With `model.scan_layers` the layers are stacked too: the path has no layer index
+(`("layers", "self_attn", "q_proj", "kernel")`, [L, in, out]) and an entry with `layer = i` is
+slice i of it (then slice `expert` of that), HF's `model.layers.{i}.…` either way.
 Which table a family uses is its line in runtime/model/registry.py (`spec_for(cfg).hf_names`).
 """
 
@@ -17,25 +20,52 @@ from jobspec.run_config import ModelConfig
 
 @dataclass(frozen=True)
 class Entry:
-    """Our parameter at `path` (slice `expert` of it, when set) is HF tensor `name`, transposed
-    when `transpose`."""
+    """Our parameter at `path` (slice [layer, expert] of it, for those set) is HF tensor `name`,
+    transposed when `transpose`."""
 
     path: tuple[str | int, ...]
     name: str
     transpose: bool
     expert: int | None = None
+    layer: int | None = None
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """The leading indices that select this tensor from the stored parameter (() if none)."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
-def _qwen3_attention(i: int) -> list[Entry]:
-    p, hf = ("layers", i, "self_attn"), f"model.layers.{i}.self_attn"
-    out = [Entry((*p, f"{n}_proj", "kernel"), f"{hf}.{n}_proj.weight", True) for n in "qkvo"]
-    out += [Entry((*p, f"{n}_norm", "scale"), f"{hf}.{n}_norm.weight", False) for n in "qk"]
+def _in_layer(
+    cfg: ModelConfig,
+    i: int,
+    rest: tuple[str, ...],
+    name: str,
+    transpose: bool,
+    expert: int | None = None,
+) -> Entry:
+    """Layer i's parameter `rest` (the path below the block): its own module's path, or slice i
+    of the stacked one when the layers are scanned."""
+    if cfg.scan_layers:
+        return Entry(("layers", *rest), name, transpose, expert, layer=i)
+    return Entry(("layers", i, *rest), name, transpose, expert)
+
+
+def _qwen3_attention(cfg: ModelConfig, i: int) -> list[Entry]:
+    hf = f"model.layers.{i}.self_attn"
+    out = [
+        _in_layer(cfg, i, ("self_attn", f"{n}_proj", "kernel"), f"{hf}.{n}_proj.weight", True)
+        for n in "qkvo"
+    ]
+    out += [
+        _in_layer(cfg, i, ("self_attn", f"{n}_norm", "scale"), f"{hf}.{n}_norm.weight", False)
+        for n in "qk"
+    ]
     return out
 
 
-def _qwen3_layer_norms(i: int) -> list[Entry]:
+def _qwen3_layer_norms(cfg: ModelConfig, i: int) -> list[Entry]:
     return [
-        Entry(("layers", i, n, "scale"), f"model.layers.{i}.{n}.weight", False)
+        _in_layer(cfg, i, (n, "scale"), f"model.layers.{i}.{n}.weight", False)
         for n in ("input_layernorm", "post_attention_layernorm")
     ]
 
@@ -54,10 +84,12 @@ def qwen3_names(cfg: ModelConfig) -> list[Entry]:
     """Dense Qwen3 (`Qwen3ForCausalLM`)."""
     out = _ends(cfg)
     for i in range(cfg.num_layers):
-        out += _qwen3_attention(i) + _qwen3_layer_norms(i)
+        out += _qwen3_attention(cfg, i) + _qwen3_layer_norms(cfg, i)
         out += [
-            Entry(
-                ("layers", i, "mlp", f"{n}_proj", "kernel"),
+            _in_layer(
+                cfg,
+                i,
+                ("mlp", f"{n}_proj", "kernel"),
                 f"model.layers.{i}.mlp.{n}_proj.weight",
                 True,
             )
@@ -74,12 +106,19 @@ def qwen3_moe_names(cfg: ModelConfig) -> list[Entry]:
     assert cfg.num_experts is not None
     out = _ends(cfg)
     for i in range(cfg.num_layers):
-        out += _qwen3_attention(i) + _qwen3_layer_norms(i)
-        p, hf = ("layers", i, "mlp"), f"model.layers.{i}.mlp"
-        out.append(Entry((*p, "gate", "kernel"), f"{hf}.gate.weight", True))
+        out += _qwen3_attention(cfg, i) + _qwen3_layer_norms(cfg, i)
+        hf = f"model.layers.{i}.mlp"
+        out.append(_in_layer(cfg, i, ("mlp", "gate", "kernel"), f"{hf}.gate.weight", True))
         for e in range(cfg.num_experts):
             out += [
-                Entry((*p, "experts", f"{n}_proj"), f"{hf}.experts.{e}.{n}_proj.weight", True, e)
+                _in_layer(
+                    cfg,
+                    i,
+                    ("mlp", "experts", f"{n}_proj"),
+                    f"{hf}.experts.{e}.{n}_proj.weight",
+                    True,
+                    e,
+                )  # fmt: skip
                 for n in ("gate", "up", "down")
             ]
     return out

@@ -1,5 +1,6 @@
 """The layers every decoder family builds from: dtypes, the normal initialiser, Dense, Embed,
-RMSNorm and RoPE. Parameters carry logical axis names only; mesh placement is sharding.py's."""
+RMSNorm and RoPE, the logical names of activations, and the stacking of layers for a scan.
+Parameters and activations carry logical axis names only; mesh placement is sharding.py's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,22 @@ from flax import nnx
 from jax import lax
 
 from jobspec.run_config import ModelConfig
+from runtime.model.sharding import constrain
+
+#: Logical names of the activations model code pins with `constrain` (one per dimension): the
+#: residual stream, attention q / k,v per head, the MLP hidden, MoE per-expert hiddens, logits.
+#: `batch` takes the slice x data x fsdp axes, so every chip holds 1/devices of the batch.
+ACT_EMBED = ("batch", "length", "embed")
+ACT_HEADS = ("batch", "length", "heads", None)
+ACT_KV_HEADS = ("batch", "length", "kv_heads", None)
+ACT_MLP = ("batch", "length", "mlp")
+ACT_EXPERT = ("batch", "length", "expert")
+ACT_EXPERT_MLP = ("batch", "length", "expert", "mlp")
+ACT_VOCAB = ("batch", "length", "vocab")
+ACT_ROPE = ("batch", "length", None)
+
+#: The logical name of the leading axis of parameters stacked by `stack_layers`.
+LAYERS_AXIS = "layers"
 
 _DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -108,3 +125,33 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
     out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
     return out.astype(x.dtype)
+
+
+def constrain_logits(logits: jax.Array) -> jax.Array:
+    """Pin logits (or a chunk of them along length) [B, T, vocab] to batch sharding, vocab over
+    `tensor`; a no-op outside `sharding.activation_mesh`. For a loss that computes them itself."""
+    return constrain(logits, ACT_VOCAB)
+
+
+def stack_layers(layers: list[nnx.Module], *, eager_sharding: bool = False) -> nnx.Module:
+    """One module of `layers[0]`'s structure whose every variable is the stack of the layers' own
+    along a new leading axis (logical name `LAYERS_AXIS`, prepended to each Param's out_sharding,
+    so `nnx.get_partition_spec` names it). Layer i of the stack holds exactly layer i's values,
+    so a scanned model has the same parameters as the unrolled one built from the same seed.
+    Each stacked variable is created anew with the layers' metadata; with `eager_sharding` a
+    Param is placed by its stacked names at creation (the logical rules in context must then
+    name `layers`, as sharding.py's do), so the layers themselves should be built unsharded.
+    """
+    graphdef, *_ = nnx.split(layers[0])
+    states = [nnx.state(layer) for layer in layers]
+
+    def stack(*vs: nnx.Variable) -> nnx.Variable:
+        meta = dict(vs[0].get_metadata())
+        if meta.get("out_sharding") is not None:
+            meta["out_sharding"] = (LAYERS_AXIS, *meta["out_sharding"])
+        if "eager_sharding" in meta:
+            meta["eager_sharding"] = eager_sharding
+        return type(vs[0])(jnp.stack([v[...] for v in vs]), **meta)
+
+    stacked = jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, stacked)

@@ -22,6 +22,10 @@ Parameter paths inside `layers[i]` of `runtime.model.qwen3.Decoder`:
     mlp.router_bias            [E] fp32, a `RouterBias` (NOT an nnx.Param: no gradient, no
                                optimizer state; it lives in the non-Param state). No HF weight.
 
+With `model.scan_layers` every one of these gains a leading [num_layers] axis (logical name
+"layers") and the path loses the layer index: `layers.mlp.experts.gate_proj` [L, E, hidden, F],
+`layers.mlp.router_bias` [L, E]; the loads come back stacked [L, E] from the scan either way.
+
 The HF names these map to (saved checkpoints keep one `mlp.experts.{e}.*_proj.weight` per
 expert; kernels transpose) are the name map in `runtime/hf/names.py`.
 
@@ -39,7 +43,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jobspec.run_config import ModelConfig
-from runtime.model.layers import dtype_of, normal_param
+from runtime.model.layers import (
+    ACT_EMBED,
+    ACT_EXPERT,
+    ACT_EXPERT_MLP,
+    dtype_of,
+    normal_param,
+)
+from runtime.model.sharding import constrain
 
 
 class RouterBias(nnx.Variable):
@@ -84,13 +95,17 @@ class Experts(nnx.Module):
     def __call__(self, x: jax.Array, combine: jax.Array) -> jax.Array:
         """x [B, T, D], combine [B, T, E] (zero off each token's top-k) -> [B, T, D]."""
         cd = self.compute_dtype
-        g = jnp.einsum("btd,edf->btef", x, self.gate_proj[...].astype(cd))
-        u = jnp.einsum("btd,edf->btef", x, self.up_proj[...].astype(cd))
+        # [B, T, E, F] intermediates: batch-sharded like every activation, experts replicated
+        # (LOGICAL_RULES["expert"]), the expert hidden over `tensor` as a dense MLP's would be.
+        g = constrain(
+            jnp.einsum("btd,edf->btef", x, self.gate_proj[...].astype(cd)), ACT_EXPERT_MLP
+        )
+        u = constrain(jnp.einsum("btd,edf->btef", x, self.up_proj[...].astype(cd)), ACT_EXPERT_MLP)
         h = jax.nn.silu(g) * u
         # Weight each expert's hidden activations before the down projection: the same sum as
         # weighting the outputs (down is linear), without a [B, T, E, D] intermediate.
-        h = h * combine[..., None].astype(cd)
-        return jnp.einsum("btef,efd->btd", h, self.down_proj[...].astype(cd))
+        h = constrain(h * combine[..., None].astype(cd), ACT_EXPERT_MLP)
+        return constrain(jnp.einsum("btef,efd->btd", h, self.down_proj[...].astype(cd)), ACT_EMBED)
 
 
 def route(
@@ -101,15 +116,27 @@ def route(
     Selection is top-k of logits + bias (top-k of softmax(logits) when the bias is 0, since softmax
     is monotone); the weights are the unbiased softmax probabilities of the chosen experts.
     """
-    e = logits.shape[-1]
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    _, idx = jax.lax.top_k(logits.astype(jnp.float32) + bias.astype(jnp.float32), k)
-    top = jnp.take_along_axis(probs, idx, axis=-1)
+    onehot = _top_k_onehot(logits.astype(jnp.float32) + bias.astype(jnp.float32), k)  # [..., k, E]
+    top = jnp.einsum("...e,...ke->...k", probs, onehot)
     if norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
-    onehot = jax.nn.one_hot(idx, e, dtype=jnp.float32)  # [..., k, E]
     combine = jnp.einsum("...k,...ke->...e", top, onehot)
     return combine, jnp.sum(onehot, axis=-2)
+
+
+def _top_k_onehot(scores: jax.Array, k: int) -> jax.Array:
+    """One-hot rows [..., k, E] of the k best experts per token, best first, ties to the lower
+    index (`lax.top_k`'s order). k rounds of argmax rather than `lax.top_k`: the SPMD partitioner
+    splits an argmax over the batch axes, while it gathered top_k's operand to the global batch on
+    every chip; k is small (a handful of experts), so the rounds cost little."""
+    e = scores.shape[-1]
+    rows = []
+    for _ in range(k):
+        pick = jax.nn.one_hot(jnp.argmax(scores, axis=-1), e, dtype=jnp.float32)
+        rows.append(pick)
+        scores = jnp.where(pick > 0, -jnp.inf, scores)
+    return jnp.stack(rows, axis=-2)
 
 
 class SparseMoE(nnx.Module):
@@ -128,12 +155,12 @@ class SparseMoE(nnx.Module):
         load: the fraction of this call's token->expert assignments that went to each expert
         (sums to 1; every token counts, padding included).
         """
-        logits = self.gate(x)
+        logits = constrain(self.gate(x), ACT_EXPERT)
         combine, chosen = route(
             logits, self.router_bias[...], self.num_experts_per_tok, self.norm_topk_prob
         )
         # HF casts the routing weights to the hidden dtype before weighting the experts.
-        combine = combine.astype(x.dtype)
+        combine = constrain(combine.astype(x.dtype), ACT_EXPERT)
         load = jnp.sum(chosen.reshape(-1, chosen.shape[-1]), axis=0)
         load = load / (chosen.shape[0] * chosen.shape[1] * self.num_experts_per_tok)
         return self.experts(x, combine), load
@@ -148,7 +175,9 @@ def update_router_bias(others: tuple, loads: jax.Array, rate: float) -> tuple:
     """bias_i <- bias_i + rate * sign(mean(load_i) - load_i) for every layer i's RouterBias.
 
     others: the non-Param states from `nnx.split(model, nnx.Param, ...)`; loads [L, E] in layer
-    order. Returns others with the same structure. Runs outside any gradient.
+    order. Per-layer biases (`layers.{i}.mlp.router_bias` [E]) take row i; a scanned model's one
+    stacked bias (`layers.mlp.router_bias` [L, E]) takes all rows at once. Returns others with
+    the same structure. Runs outside any gradient.
     """
     delta = rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)  # [L, E]
 
@@ -156,7 +185,13 @@ def update_router_bias(others: tuple, loads: jax.Array, rate: float) -> tuple:
         keys = [getattr(p, "key", getattr(p, "idx", None)) for p in path]
         if "router_bias" not in keys:
             return leaf
-        layer = keys[keys.index("layers") + 1]
-        return leaf + delta[int(layer)].astype(leaf.dtype)
+        after = keys[keys.index("layers") + 1]
+        if isinstance(after, int) or (isinstance(after, str) and after.isdigit()):
+            return leaf + delta[int(after)].astype(leaf.dtype)
+        if leaf.shape != delta.shape:
+            raise ValueError(
+                f"stacked router bias {leaf.shape} does not match the loads {delta.shape}"
+            )
+        return leaf + delta.astype(leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(step, others)

@@ -17,6 +17,19 @@ Kernels are stored [in, out] so an HF `weight` maps in by a plain transpose. Pat
 `layers[i].self_attn.{q,k}_norm.scale`, `layers[i].{input,post_attention}_layernorm.scale`,
 `layers[i].mlp.{gate,up,down}_proj.kernel`, `norm.scale`, `lm_head.kernel` (untied only).
 
+`model.scan_layers` (the default) stacks the blocks instead: `layers` is ONE `Block` whose every
+variable has a leading [num_layers] axis (logical name "layers", replicated), so the paths lose
+the index (`layers.self_attn.q_proj.kernel` [L, hidden, heads*head_dim]) and slice i is layer i
+of the unrolled model built from the same seed (`layers.stack_layers`). The forward pass is one
+`jax.lax.scan` over that stacked state (the remat policy wraps the scanned body), so compile time
+does not grow with depth; decoding scans too, with the KV cache stacked [L, ...]. With
+`scan_layers = false` `layers` is an `nnx.List` of per-layer Blocks, as before.
+
+Activations are pinned with `sharding.constrain` (a no-op outside `activation_mesh`) at every
+block boundary ([batch, length, embed]), on q/k/v and the attention output (per head), on the MLP
+hidden, on the embedding output, the final hidden states and the logits, so GSPMD keeps 1/devices
+of the batch on every chip and gathers weights (FSDP) instead of activations.
+
 The layer MLP is a per-family choice (`Decoder(..., mlp_factory=...)`): dense SwiGLU `MLP` here;
 `runtime/model/qwen3_moe.py` passes `runtime.model.moe.SparseMoE` (paths documented there), whose
 per-layer expert loads `Decoder.forward_with_loads` also returns. Model code never tests the family
@@ -32,13 +45,44 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jobspec.run_config import ModelConfig
 from runtime.model import attention
-from runtime.model.layers import Dense, Embed, RMSNorm, apply_rope, dtype_of, rope_tables
+from runtime.model.layers import (
+    ACT_EMBED,
+    ACT_HEADS,
+    ACT_KV_HEADS,
+    ACT_MLP,
+    ACT_ROPE,
+    LAYERS_AXIS,
+    Dense,
+    Embed,
+    RMSNorm,
+    apply_rope,
+    constrain_logits,
+    dtype_of,
+    rope_tables,
+    stack_layers,
+)
+from runtime.model.sharding import constrain
 
 #: Every logical axis name a parameter may carry.
-LOGICAL_AXES: tuple[str, ...] = ("vocab", "embed", "heads", "kv_heads", "mlp", "norm", "expert")
+LOGICAL_AXES: tuple[str, ...] = (
+    "vocab",
+    "embed",
+    "heads",
+    "kv_heads",
+    "mlp",
+    "norm",
+    "expert",
+    LAYERS_AXIS,
+)
+
+#: `checkpoint_name`s on the attention activations, for a name-based remat policy
+#: (`jax.checkpoint_policies.save_only_these_names`): the q/k/v projections (before q/k norm and
+#: RoPE, which are cheap to redo) and the attention output (the o_proj input).
+ATTENTION_CHECKPOINT_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attention_out")
 
 # Policies per ModelConfig.remat; "none" means no checkpoint wrapper at all.
 _REMAT_POLICIES: dict[str, Any] = {
@@ -52,12 +96,15 @@ _REMAT_POLICIES: dict[str, Any] = {
 class KVCache(NamedTuple):
     """Decoding state: per-layer keys/values [B, max_len, kv_heads, head_dim] and the fill index.
 
-    `index` (int32 scalar) is the number of slots already written; the next `decode` call writes
-    its T tokens at slots index..index+T-1. A pytree, so it passes through jit and loops.
+    Unscanned layers keep a tuple of per-layer arrays; scanned layers (`model.scan_layers`) one
+    stacked array [num_layers, B, max_len, kv_heads, head_dim] each for k and v (so `k[i]` is
+    layer i's either way). `index` (int32 scalar) is the number of slots already written; the
+    next `decode` call writes its T tokens at slots index..index+T-1. A pytree, so it passes
+    through jit and loops.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
     index: jax.Array
 
 
@@ -93,21 +140,31 @@ class Attention(nnx.Module):
         Decoding: kv (cache arrays [B,S,KV,hd]) at `index`, with the dense `mask` [B|1,T,S]."""
         b, t, _ = x.shape
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_norm(self.q_proj(x).reshape(b, t, h, hd))
-        k = self.k_norm(self.k_proj(x).reshape(b, t, kvh, hd))
-        v = self.v_proj(x).reshape(b, t, kvh, hd)
+
+        def project(proj: Dense, n: int, names: tuple[str | None, ...], name: str) -> jax.Array:
+            return checkpoint_name(constrain(proj(x).reshape(b, t, n, hd), names), name)
+
+        q = self.q_norm(project(self.q_proj, h, ACT_HEADS, "q_proj"))
+        k = self.k_norm(project(self.k_proj, kvh, ACT_KV_HEADS, "k_proj"))
+        v = project(self.v_proj, kvh, ACT_KV_HEADS, "v_proj")
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
         if kv is None:
             out = attention.attend(q, k, v, segment_ids, impl=self.impl)
-            return self.o_proj(out.reshape(b, t, h * hd)), None
+            return self._out(out), None
         assert index is not None and mask is not None
         ck = lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0))
         cv = lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
         k, v = ck.astype(self.compute_dtype), cv.astype(self.compute_dtype)
         out = attention.masked_attention(q, k, v, mask)
-        return self.o_proj(out.reshape(b, t, h * hd)), (ck, cv)
+        return self._out(out), (ck, cv)
+
+    def _out(self, out: jax.Array) -> jax.Array:
+        """The attention output [B, T, H, hd] (pinned per head, named for remat) -> o_proj."""
+        b, t, h, hd = out.shape
+        out = checkpoint_name(constrain(out, ACT_HEADS), "attention_out")
+        return constrain(self.o_proj(out.reshape(b, t, h * hd)), ACT_EMBED)
 
 
 class MlpFactory(Protocol):
@@ -127,7 +184,10 @@ class MLP(nnx.Module):
         self.down_proj = Dense(f, d, ("mlp", "embed"), cfg, **kw)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, None]:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)), None
+        gate = constrain(self.gate_proj(x), ACT_MLP)
+        up = constrain(self.up_proj(x), ACT_MLP)
+        hidden = constrain(jax.nn.silu(gate) * up, ACT_MLP)
+        return constrain(self.down_proj(hidden), ACT_EMBED), None
 
 
 class Block(nnx.Module):
@@ -160,13 +220,16 @@ class Block(nnx.Module):
         index: jax.Array | None = None,
         mask: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, jax.Array | None]:
-        """-> (x, new_kv, load): load [E] is the MoE expert load, None for a dense MLP."""
+        """-> (x, new_kv, load): load [E] is the MoE expert load, None for a dense MLP.
+
+        The block's input, residual and output are pinned to [batch, length, embed]."""
+        x = constrain(x, ACT_EMBED)
         attn, new_kv = self.self_attn(
             self.input_layernorm(x), cos, sin, segment_ids, kv, index, mask
         )
-        x = x + attn
+        x = constrain(x + attn, ACT_EMBED)
         y, load = self.mlp(self.post_attention_layernorm(x))
-        return x + y, new_kv, load
+        return constrain(x + y, ACT_EMBED), new_kv, load
 
 
 def _block_forward(
@@ -195,6 +258,28 @@ def _remat_block_forward(
     return jax.checkpoint(pure, policy=policy, prevent_cse=True)(state, x, cos, sin, segment_ids)
 
 
+def _scan_blocks(
+    policy: Any,
+    stacked: Block,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    segment_ids: jax.Array | None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """The stacked blocks as one `lax.scan` over their split state (layer i's slice per step):
+    -> (x after the last block, loads [L, E] or None). `policy` (None: no remat) wraps the body,
+    so the backward pass keeps only what it names per layer (at least each block's input)."""
+    graphdef, state = nnx.split(stacked)
+
+    def body(x: jax.Array, layer_state: Any) -> tuple[jax.Array, jax.Array | None]:
+        return _block_forward(nnx.merge(graphdef, layer_state), x, cos, sin, segment_ids)
+
+    if policy is not None:
+        # Inside scan, CSE across iterations cannot undo the remat, so prevent_cse can be off.
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    return lax.scan(body, x, state)
+
+
 class Decoder(nnx.Module):
     """Qwen3 causal LM: token ids in, float32 logits out.
 
@@ -202,6 +287,7 @@ class Decoder(nnx.Module):
     mesh; shard by jitting the init with out_shardings from `nnx.get_partition_spec` under logical
     axis rules. `True` lets flax shard each Param at creation (needs a mesh and rules in context).
     `mlp_factory` builds every layer's MLP (dense SwiGLU by default; see `MlpFactory`).
+    `cfg.scan_layers` stacks the blocks into one scanned `Block` (see the module docstring).
     """
 
     def __init__(
@@ -215,8 +301,17 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.compute_dtype = dtype_of(cfg.compute_dtype)
         self.embed_tokens = Embed(cfg, rngs=rngs, eager_sharding=eager_sharding)
-        kw = {"rngs": rngs, "eager_sharding": eager_sharding, "mlp_factory": mlp_factory}
-        self.layers = nnx.List([Block(cfg, **kw) for _ in range(cfg.num_layers)])
+        kw = {"rngs": rngs, "mlp_factory": mlp_factory}
+        if cfg.scan_layers:
+            # Built one by one (the unrolled model's draws, in its order), then stacked; when
+            # eager, the stack is sharded as a whole, so the layers themselves are not.
+            blocks = [Block(cfg, eager_sharding=False, **kw) for _ in range(cfg.num_layers)]
+            self.layers = stack_layers(blocks, eager_sharding=eager_sharding)
+        else:
+            blocks = [
+                Block(cfg, eager_sharding=eager_sharding, **kw) for _ in range(cfg.num_layers)
+            ]
+            self.layers = nnx.List(blocks)
         self.norm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
         if not cfg.tie_word_embeddings:
             kw = {"rngs": rngs, "eager_sharding": eager_sharding}
@@ -229,12 +324,14 @@ class Decoder(nnx.Module):
         return self.lm_head.kernel[...].astype(self.compute_dtype)
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """Final-normed hidden states [B, T, D] -> float32 logits [B, T, vocab]."""
+        """Final-normed hidden states [B, T, D] -> float32 logits [B, T, vocab], pinned to batch
+        sharding (vocab over `tensor`); T may be a chunk of the sequence."""
         # fp32 accumulation and output: the loss is computed in fp32 whatever compute_dtype is.
-        return jnp.einsum("btd,dv->btv", h, self.head_kernel(), preferred_element_type=jnp.float32)
+        out = jnp.einsum("btd,dv->btv", h, self.head_kernel(), preferred_element_type=jnp.float32)
+        return constrain_logits(out)
 
     def _logits(self, x: jax.Array) -> jax.Array:
-        return self.logits(self.norm(x))
+        return self.logits(constrain(self.norm(x), ACT_EMBED))
 
     def __call__(
         self,
@@ -266,26 +363,39 @@ class Decoder(nnx.Module):
         positions: jax.Array,
         segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array | None]:
-        """The final-normed hidden states [B, T, D] (compute dtype) and the expert loads; the
-        loss applies `head_kernel` to them chunk by chunk instead of materialising all logits."""
-        cos, sin = rope_tables(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta)
+        """The final-normed hidden states [B, T, D] (compute dtype, pinned to batch sharding)
+        and the expert loads; the loss applies `head_kernel` to them chunk by chunk instead of
+        materialising all logits."""
+        cos, sin = self._rope(positions)
         policy = _REMAT_POLICIES.get(self.cfg.remat)
-        block_fn = _block_forward
-        if policy is not None:
-            block_fn = partial(_remat_block_forward, policy)
-        x = self.embed_tokens(inputs)
-        loads = []
-        for block in self.layers:
-            x, load = block_fn(block, x, cos, sin, segment_ids)
-            loads.append(load)
-        stacked = jnp.stack(loads) if loads and loads[0] is not None else None
-        return self.norm(x), stacked
+        x = constrain(self.embed_tokens(inputs), ACT_EMBED)
+        if self.cfg.scan_layers:
+            x, stacked = _scan_blocks(policy, self.layers, x, cos, sin, segment_ids)
+        else:
+            block_fn = _block_forward
+            if policy is not None:
+                block_fn = partial(_remat_block_forward, policy)
+            loads = []
+            for block in self.layers:
+                x, load = block_fn(block, x, cos, sin, segment_ids)
+                loads.append(load)
+            stacked = jnp.stack(loads) if loads and loads[0] is not None else None
+        return constrain(self.norm(x), ACT_EMBED), stacked
+
+    def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """RoPE cos/sin [B, T, head_dim], batch-sharded like the activations they rotate."""
+        cos, sin = rope_tables(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta)
+        return constrain(cos, ACT_ROPE), constrain(sin, ACT_ROPE)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
-        """An empty cache of max_len slots per sequence (dtype defaults to compute_dtype)."""
+        """An empty cache of max_len slots per sequence (dtype defaults to compute_dtype); k and v
+        stacked [num_layers, ...] for scanned layers, per-layer tuples otherwise."""
         dtype = self.compute_dtype if dtype is None else dtype
         shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.resolved_head_dim)
         n = self.cfg.num_layers
+        if self.cfg.scan_layers:
+            zeros = jnp.zeros((n, *shape), dtype)
+            return KVCache(k=zeros, v=zeros, index=jnp.zeros((), jnp.int32))
         return KVCache(
             k=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
             v=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
@@ -299,14 +409,26 @@ class Decoder(nnx.Module):
 
         The tokens go to slots cache.index..index+T-1; each attends to every slot up to its own.
         Fixed shapes, so one jit serves every step. The caller keeps index + T <= max_len
-        (dynamic_update_slice would clamp, not fail).
+        (dynamic_update_slice would clamp, not fail). Scanned layers scan over (layer state,
+        layer cache) and return the stacked cache.
         """
         t = inputs.shape[1]
         max_len = cache.k[0].shape[1]
         q_slots = cache.index + jnp.arange(t)
         mask = (jnp.arange(max_len)[None, :] <= q_slots[:, None])[None]  # [1, T, max_len]
-        cos, sin = rope_tables(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta)
-        x = self.embed_tokens(inputs)
+        cos, sin = self._rope(positions)
+        x = constrain(self.embed_tokens(inputs), ACT_EMBED)
+        if self.cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(x: jax.Array, xs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                layer_state, ck, cv = xs
+                block = nnx.merge(graphdef, layer_state)
+                x, new_kv, _ = block(x, cos, sin, None, (ck, cv), cache.index, mask)
+                return x, new_kv
+
+            x, (new_k, new_v) = lax.scan(body, x, (state, cache.k, cache.v))
+            return self._logits(x), KVCache(new_k, new_v, cache.index + t)
         new_k, new_v = [], []
         for block, ck, cv in zip(self.layers, cache.k, cache.v, strict=True):
             x, (nk, nv), _ = block(x, cos, sin, None, (ck, cv), cache.index, mask)

@@ -1,7 +1,8 @@
 """The mesh from `[mesh]`, and the one table mapping logical axis names to mesh axes.
 
 Model code names only logical axes (parameters: vocab, embed, heads, kv_heads, mlp, norm,
-expert; activations also batch and length); this module alone knows mesh axes. FSDP shards
+expert, and `layers`, the leading axis of parameters stacked for `model.scan_layers`;
+activations also batch and length); this module alone knows mesh axes. FSDP shards
 parameters (and so optimizer state) over `fsdp` along `embed`; TP shards heads, MLP hidden and
 vocab over `tensor`; the batch is split over `slice` x `data` x `fsdp`; MoE experts are
 replicated for now.
@@ -41,6 +42,9 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "norm": None,
     # MoE expert axis: replicated for now; an expert-parallel mesh axis can take it later.
     "expert": None,
+    # The stacked-layer axis of scanned parameters: every chip holds every layer's shard (the
+    # scan slices one layer per step), so it is never split.
+    "layers": None,
 }
 
 

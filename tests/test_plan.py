@@ -145,11 +145,6 @@ def _cpu8(script: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="activations are not yet pinned to the batch axes (sharding constraints land with "
-    "branch wt-scan): per-device buffers still hold the global batch",
-)
 def test_fsdp_shrinks_per_device_temporaries_and_shards_the_batch() -> None:
     """On 8 CPU devices (data x fsdp = 8, so the batch is always split 8 ways): as fsdp grows,
     parameters and optimizer state shard further and temporaries fall; no per-device buffer

@@ -25,19 +25,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # name: (run config, accelerator, extra CLI args, --set overrides)
 V5P_8B = "configs/plan/qwen3-8b-v5p-256.toml"
+V5P_1_7B = "configs/plan/qwen3-1.7b-v5p-256.toml"
+# FLOPs against 6N + 12LHQT: the xla attention (a custom-call kernel's FLOPs are invisible to the
+# HLO count; xla computes the full T x T product, exactly the 12LHQT convention).
+XLA = ["model.attention=xla"]
 MATRIX: dict[str, tuple[str, str, list[str], list[str]]] = {
     "qwen3-8b-v5p256-seq4096": (V5P_8B, "tpu-v5p-256", [], []),
-    "qwen3-8b-v5p256-seq4096-remat-none-2L": (
-        V5P_8B, "tpu-v5p-256", [], ["model.remat=none", "model.num_layers=2"]),
-    "qwen3-8b-v5p256-seq4096-remat-full-2L": (
-        V5P_8B, "tpu-v5p-256", [], ["model.num_layers=2"]),
     "qwen3-8b-4L-v5p256-seq4096": (V5P_8B, "tpu-v5p-256", [], ["model.num_layers=4"]),
     "qwen3-8b-v5p256-seq2048": (V5P_8B, "tpu-v5p-256", [], ["training.seq_len=2048"]),
-    "qwen3-1.7b-v5p256-seq4096": ("configs/plan/qwen3-1.7b-v5p-256.toml", "tpu-v5p-256", [], []),
-    "qwen3-1.7b-v5p256-seq2048": (
-        "configs/plan/qwen3-1.7b-v5p-256.toml", "tpu-v5p-256", [], ["training.seq_len=2048"]),
+    "qwen3-1.7b-v5p256-seq4096": (V5P_1_7B, "tpu-v5p-256", [], []),
+    "qwen3-1.7b-v5p256-seq2048": (V5P_1_7B, "tpu-v5p-256", [], ["training.seq_len=2048"]),
     "qwen3-8b-h100x32-seq4096": ("configs/plan/qwen3-8b-h100x32.toml", "h100-80gb", ["--hosts", "4"], []),
     "qwen3-32b-v5p256-seq4096": ("configs/plan/qwen3-32b-v5p-256.toml", "tpu-v5p-256", [], []),
+    "flops-qwen3-8b-v5p256-remat-full-xla": (V5P_8B, "tpu-v5p-256", [], XLA),
+    "flops-qwen3-8b-8L-v5p256-remat-none-xla-whole-loss": (
+        V5P_8B, "tpu-v5p-256", [],
+        [*XLA, "model.remat=none", "model.num_layers=8", "training.loss_chunk_size=0"]),
+    "flops-qwen3-8b-8L-v5p256-remat-none-xla": (
+        V5P_8B, "tpu-v5p-256", [], [*XLA, "model.remat=none", "model.num_layers=8"]),
 }  # fmt: skip
 
 

@@ -54,7 +54,9 @@ def tiny_config(manifest: str, output_uri: str, run_id: str = "t", **over) -> di
         },
         "optimizer": {"lr": 3e-3, "schedule": {"kind": "cosine", "warmup_steps": 2}},
         "data": {"manifest": manifest, "order": "shuffle"},
-        "training": {"seq_len": 16, "global_batch_size": 8, "target_tokens": 16 * 8 * 20, "log_every": 1},
+        "training": {"seq_len": 16, "global_batch_size": 8, "target_tokens": 16 * 8 * 20, "log_every": 1,
+                     # Chunks of 6, 6 and 4: every tiny run takes the chunked loss path.
+                     "loss_chunk_size": 6},
         "checkpoint": {"every": 0, "keep": 3, "async": True},
     }  # fmt: skip
     return merge(cfg, over)

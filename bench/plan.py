@@ -111,7 +111,7 @@ def main() -> None:
     args = ap.parse_args()
     matrix = MATRIX
     if args.quick:
-        tiny = "configs/plan/tiny.toml"
+        tiny = "configs/tiny_plan.toml"
         matrix = {
             "tiny-v5p8": (tiny, "tpu-v5p-8", [], ["mesh.fsdp=4"]),
             "tiny-h100x8": (tiny, "h100-80gb", ["--hosts", "1"], ["mesh.fsdp=8"]),

@@ -13,7 +13,7 @@ import pytest
 
 from runtime.commands.cli import main
 
-from runs import run_cli, tiny_config, write_config
+from runs import run_cli, stderr_lines, tiny_config, write_config
 
 
 def make_tokenizer_json(path: Path, corpus: Path) -> Path:
@@ -134,7 +134,7 @@ def _toml(tmp_path: Path, text: str) -> str:
 
 
 def _one_sentence(err: str) -> str:
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    lines = stderr_lines(err)
     assert len(lines) == 1, f"expected one line, got:\n{err}"
     assert "Traceback" not in err
     return lines[0]

@@ -283,8 +283,9 @@ def test_compiled_train_step_holds_no_whole_logits():
     """Compiled (not run): with chunking no float32 buffer as large as [rows, T, V] exists in
     the train step, in any layout ([rows, T, V], [rows * T, V], [chunks, rows, chunk, V]); the
     whole-sequence step has one, and needs several times the temporary memory."""
-    # T small enough that no attention buffer ([rows, heads, T, T] = 2M here) is as large.
-    rows, seq, vocab = 2, 512, 4096
+    # V large enough that no attention buffer is as large: the scanned layers keep the scores
+    # of both layers, [layers, rows, heads, T, T] = 4M elements here, against 8M logits.
+    rows, seq, vocab = 2, 512, 8192
     cfg = _tiny(tie=True, vocab=vocab, seq=seq)
     mesh = build_mesh(MeshConfig())
     parts = build_model(cfg, 0, mesh)
@@ -305,6 +306,6 @@ def test_compiled_train_step_holds_no_whole_logits():
     (whole_big, whole_temp), (chunk_big, chunk_temp) = found[0], found[128]
     assert whole_big, "the whole-sequence step should hold the [rows, T, V] logits"
     assert not chunk_big, chunk_big
-    # Chunking saves at least the whole logits (rows * T * V * 4 = 16 MiB; their gradient is the
+    # Chunking saves at least the whole logits (rows * T * V * 4 = 32 MiB; their gradient is the
     # other big buffer), the rest of the step (attention, activations) being the same.
     assert whole_temp - chunk_temp > rows * seq * vocab * 4, (chunk_temp, whole_temp)

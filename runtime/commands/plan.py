@@ -91,6 +91,12 @@ def prepare_environment() -> None:
     on a TPU VM must not stop a plan)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # libtpu describes the local TPU host when it loads; off a TPU VM it logs a page of
+    # warnings (and an INVALID_ARGUMENT it recovers from) unless told there is one host and no
+    # metadata server. Compile-only topologies do not use these values.
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
 
 
 def run_plan(cfg, accelerator: str, hosts: int | None, slices: int, as_json: bool) -> None:

@@ -195,7 +195,8 @@ def test_tiny_model_flops_match_cost_analysis_unrolled() -> None:
     from runtime.plan.hlo import analyse
     from runtime.train.program import abstract_program
 
-    cfg = parse_run_config(tiny(), "tiny")
+    # Unrolled layers: cost analysis counts a loop body once, so only a loop-free step compares.
+    cfg = parse_run_config(tiny(scan_layers=False), "tiny")
     prog = abstract_program(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
     compiled = prog.step.lower(prog.state, prog.batch).compile()
     rep = analyse(compiled.as_text())
@@ -204,6 +205,13 @@ def test_tiny_model_flops_match_cost_analysis_unrolled() -> None:
     assert 0.7 * total < rep["matmul_flops"] <= total, (rep["matmul_flops"], total)
     analytic = analytic_flops(cfg, 1)["per_chip"]
     assert rep["matmul_flops"] == pytest.approx(analytic, rel=0.05)
+    # The same step with its layers scanned: the HLO count multiplies the loop body by its trip
+    # count, so it finds the unrolled step's FLOPs (cost analysis would count one layer).
+    scanned = parse_run_config(tiny(scan_layers=True), "tiny")
+    prog = abstract_program(scanned, build_mesh(scanned.mesh, jax.devices()[:1]))
+    rep_scan = analyse(prog.step.lower(prog.state, prog.batch).compile().as_text())
+    assert any(loop["trip_count"] == scanned.model.num_layers for loop in rep_scan["loops"])
+    assert rep_scan["matmul_flops"] == pytest.approx(rep["matmul_flops"], rel=0.01)
 
 
 def test_replica_groups_forms() -> None:

@@ -72,11 +72,34 @@ def clipped_pg_sums(
 LossSums = tuple[jax.Array, jax.Array, jax.Array]  # (loss sum, count, clipped count)
 
 
+@jax.custom_vjp
+def _head_matmul(h: jax.Array, kernel: jax.Array) -> jax.Array:
+    return jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
+
+
+def _head_matmul_fwd(h: jax.Array, kernel: jax.Array) -> tuple[jax.Array, tuple]:
+    return _head_matmul(h, kernel), (h, kernel)
+
+
+def _head_matmul_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # The backward matmuls take the logits' gradient in the compute dtype and give the head's
+    # partial gradient in it (accumulated in float32 inside the matmul): each chip's
+    # [hidden, vocab] partial, which the data-parallel reduction needs whole, is then half the
+    # size. In float32 compute this is exactly the plain transpose.
+    h, kernel = res
+    gc = g.astype(h.dtype)
+    dh = jnp.einsum("btv,dv->btd", gc, kernel, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("btd,btv->dv", h, gc, preferred_element_type=kernel.dtype)
+    return dh.astype(h.dtype), dk
+
+
+_head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
+
+
 def head_logits(h: jax.Array, kernel: jax.Array) -> jax.Array:
     """h [B, T, D] @ kernel [D, V] -> float32 logits [B, T, V], accumulated in float32: the
     same product as `Decoder.logits`, with the vocab axis pinned to the tensor axis."""
-    logits = jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "length", "vocab"))
+    return constrain(_head_matmul(h, kernel), ("batch", "length", "vocab"))
 
 
 def _objective_sums(

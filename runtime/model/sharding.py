@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -142,6 +144,18 @@ def activation_mesh(mesh: Mesh | None) -> Iterator[None]:
         yield
     finally:
         _ACTIVATION_MESH.reset(token)
+
+
+def on_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """`fn` traced under `activation_mesh(mesh)`: what every jitted step over model code wraps,
+    so its sharding constraints and per-shard kernels see the mesh."""
+
+    @functools.wraps(fn)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        with activation_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def current_mesh() -> Mesh | None:

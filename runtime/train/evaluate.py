@@ -6,7 +6,7 @@ import jax
 
 from jobspec.run_config import RunConfig
 from runtime.data.loader import TokenBatches, eval_loader
-from runtime.model.sharding import batch_sharding, replicated
+from runtime.model.sharding import batch_sharding, on_mesh, replicated
 from runtime.run.artifacts import now
 from runtime.train.metrics import eval_line
 from runtime.train.step import make_eval_step
@@ -19,7 +19,8 @@ class Evaluator:
         self.b_sh = batch_sharding(mesh, 3, leading=1)
         rep = replicated(mesh)
         self.step_fn = jax.jit(
-            make_eval_step(parts.graphdef, cfg.training.loss_chunk_size),
+            # Under the mesh like the train step: the same constraints and attention kernels.
+            on_mesh(make_eval_step(parts.graphdef, cfg.training.loss_chunk_size), mesh),
             in_shardings=(parts.param_shardings, rep, self.b_sh),
             out_shardings=rep,
         )

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from runtime.model.layers import constrain_logits
 from runtime.model.sharding import constrain
 
 
@@ -99,7 +100,7 @@ _head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
 def head_logits(h: jax.Array, kernel: jax.Array) -> jax.Array:
     """h [B, T, D] @ kernel [D, V] -> float32 logits [B, T, V], accumulated in float32: the
     same product as `Decoder.logits`, with the vocab axis pinned to the tensor axis."""
-    return constrain(_head_matmul(h, kernel), ("batch", "length", "vocab"))
+    return constrain_logits(_head_matmul(h, kernel))
 
 
 def _objective_sums(

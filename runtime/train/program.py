@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ from jax.sharding import Mesh
 
 from jobspec.run_config import RunConfig
 from runtime.model.build import ModelParts, build_model
-from runtime.model.sharding import activation_mesh, batch_sharding, replicated
+from runtime.model.sharding import batch_sharding, on_mesh, replicated
 from runtime.train.optim import build_optimizer
 from runtime.train.state import TrainState, abstract_opt_state, state_shardings
 from runtime.train.step import BATCH_KEYS, PG_BATCH_KEYS, make_train_step
@@ -47,13 +46,8 @@ def train_program(
         loss_chunk_size=t.loss_chunk_size,
     )
 
-    def traced(state: TrainState, batch: dict[str, jax.Array]) -> Any:
-        # Sharding constraints inside the model read the mesh at trace time.
-        with activation_mesh(mesh):
-            return step(state, batch)
-
     return jax.jit(
-        traced,
+        on_mesh(step, mesh),
         in_shardings=(state_sh, batch_sharding(mesh, 3, leading=1)),
         out_shardings=(state_sh, replicated(mesh)),
         donate_argnums=0,

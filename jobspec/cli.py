@@ -1,4 +1,5 @@
-"""How both CLIs (`launch`, `runtime`) end: a user mistake is one sentence and exit 2."""
+"""How both CLIs (`launch`, `runtime`) end: a user mistake is one sentence and exit 2; a
+storage fault is one sentence and its restartable code (JaxjobError.exit_code)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def run_group(group: click.Group, prog_name: str, argv: list[str] | None = None)
         sys.exit(EXIT_USER_ERROR)
     except JaxjobError as e:
         click.echo(f"error: {e}", err=True)
-        sys.exit(EXIT_USER_ERROR)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)

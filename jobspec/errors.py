@@ -1,8 +1,16 @@
-"""One error type per layer; the CLI catches JaxjobError once and prints one sentence."""
+"""One error type per layer; the CLI catches JaxjobError once and prints one sentence.
+
+`exit_code` is what the process ends with: 2 (a user mistake, never restarted) unless the
+failure is the environment's, not the user's (a storage fault: restartable).
+"""
+
+from jobspec.exit_codes import EXIT_BAD_INPUT, EXIT_STORAGE_FAULT
 
 
 class JaxjobError(Exception):
     """A user-facing failure: the message is a complete sentence naming the problem and the fix."""
+
+    exit_code: int = EXIT_BAD_INPUT
 
 
 class ConfigError(JaxjobError):
@@ -14,8 +22,20 @@ class DataError(JaxjobError):
 
 
 class StorageError(JaxjobError):
-    """An output URI cannot be read or written."""
+    """An output URI cannot be read or written because of what the user gave (a missing bucket,
+    a path without permission, a file where a directory must be)."""
+
+
+class StorageFaultError(StorageError):
+    """Storage failed under a correct run (ENOSPC, EIO, gs:// 5xx or timeouts that outlasted the
+    retries): the job ends restartable, with the original error in the message."""
+
+    exit_code = EXIT_STORAGE_FAULT
 
 
 class CheckpointError(JaxjobError):
     """A checkpoint is missing, uncommitted or incompatible with the run config."""
+
+
+class RunOwnedError(JaxjobError):
+    """Another live process owns the run directory; nothing was changed."""

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.backend import RESTARTABLE_EXIT_CODES, TERMINAL
+from jobspec.exit_codes import is_restartable
+from launch.backend import TERMINAL
 from launch.registry import read_json, utc_now, write_json_atomic
 
 PLAN_FILE = "plan.json"
@@ -58,7 +59,7 @@ def describe_exit(rc: int | None) -> str:
 
 
 def restartable(rc: int) -> bool:
-    return rc in RESTARTABLE_EXIT_CODES or rc < 0
+    return is_restartable(rc)
 
 
 def free_port() -> int:

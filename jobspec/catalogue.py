@@ -51,7 +51,7 @@ _TOPO_2D = {
 }
 _TOPO_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
             256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}  # fmt: skip
-_TPU_RE = re.compile(r"^tpu-(v4|v5p|v5e|v5litepod|v6e)-(\d+)$")
+_TPU_RE = re.compile(r"tpu-(v4|v5p|v5e|v5litepod|v6e)-(\d+)")  # fullmatch
 
 
 def known_names() -> list[str]:
@@ -93,7 +93,7 @@ def lookup(name: str) -> Accelerator:
     if name in _GPUS:
         return Accelerator(name, "gpu", 8, None, "nvidia.com/gpu",
                            {"cloud.google.com/gke-accelerator": _GPUS[name]})  # fmt: skip
-    m = _TPU_RE.match(name)
+    m = _TPU_RE.fullmatch(name)
     if m:
         gen = "v5e" if m.group(1) == "v5litepod" else m.group(1)
         return _tpu(gen, int(m.group(2)), name)

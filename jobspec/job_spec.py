@@ -13,9 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jobspec.catalogue import Accelerator, lookup
 from jobspec.errors import ConfigError
+from jobspec.names import check_k8s_names
 from jobspec.run_config import RunConfig, check_dns_label
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` passes "NAME\n"
 # Names whose literal values would put a credential into the spec (and the rendered manifests).
 SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_?KEY|PRIVATE_?KEY)", re.I)
 RESERVED_ENV = ("JAXJOB_", "JAX_COORDINATOR", "JAX_PLATFORMS")
@@ -118,7 +119,7 @@ class JobSpec(Spec):
     @classmethod
     def _env(cls, v: dict[str, str | SecretRef]) -> dict[str, str | SecretRef]:
         for name, value in v.items():
-            if not ENV_NAME.match(name):
+            if not ENV_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not an environment variable name")
             if name.startswith(RESERVED_ENV):
                 raise ValueError(f"{name} is set by jaxjob itself (the env contract); remove it")
@@ -132,6 +133,14 @@ class JobSpec(Spec):
     @property
     def catalogue(self) -> Accelerator:
         return lookup(self.accelerator)
+
+    @field_validator("k8s")
+    @classmethod
+    def _k8s_names(cls, v: K8sSection) -> K8sSection:
+        check_k8s_names(namespace=v.namespace, service_account=v.service_account, queue=v.queue,
+                        priority_class=v.priority_class, node_selector=v.node_selector,
+                        labels=v.labels, annotations=v.annotations)  # fmt: skip
+        return v
 
     @model_validator(mode="after")
     def _topology(self) -> JobSpec:

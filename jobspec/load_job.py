@@ -33,12 +33,93 @@ class LoadedJob:
     run_id: str  # the run id every host will use
 
 
+# A job spec is a page of YAML; these bounds keep a hostile or broken file from taking minutes
+# and gigabytes (an "alias bomb": nine aliases of nine aliases of ... expand to 9^N nodes).
+MAX_SPEC_BYTES = 1 << 20
+MAX_ALIAS_NODES = 10_000  # nodes that aliases may add in all, counted as fully expanded
+MAX_DEPTH = 100  # nesting of mappings and lists (PyYAML's composer recurses per level)
+
+
+class _AliasBudgetError(yaml.MarkedYAMLError):
+    """An alias pushed the document past MAX_ALIAS_NODES, a recursive alias, or too deep."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that counts what every alias expands to and refuses a document whose
+    aliases would add more than MAX_ALIAS_NODES nodes, an alias inside its own anchor (a cycle)
+    or a nesting deeper than MAX_DEPTH, naming the line."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._sizes: dict[int, int] = {}  # id(node) -> nodes once expanded, for finished nodes
+        self._alias_nodes = 0
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            target = self.anchors.get(event.anchor)
+            if target is not None:  # an undefined alias is the composer's own error
+                size = self._sizes.get(id(target))
+                if size is None:
+                    raise _AliasBudgetError(
+                        None, None, f"the alias *{event.anchor} refers to its own anchor "
+                        "(a recursive structure), which a job spec cannot hold", event.start_mark
+                    )  # fmt: skip
+                self._alias_nodes += size
+                if self._alias_nodes > MAX_ALIAS_NODES:
+                    raise _AliasBudgetError(
+                        None, None, f"the alias *{event.anchor} makes the aliases expand to more "
+                        f"than {MAX_ALIAS_NODES:,} values (an alias bomb?); write the values out "
+                        "or use fewer aliases", event.start_mark
+                    )  # fmt: skip
+            return super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            mark = self.peek_event().start_mark
+            raise _AliasBudgetError(
+                None, None, f"the document nests more than {MAX_DEPTH} levels deep", mark
+            )
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = node.value
+        else:
+            children = []
+        self._sizes[id(node)] = 1 + sum(self._sizes.get(id(c), 1) for c in children)
+        return node
+
+
+def _safe_load(text: str) -> object:
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: Path) -> tuple[str, dict]:
     if not path.is_file():
         raise ConfigError(f"{path}: no such job spec file")
-    text = path.read_text()
+    size = path.stat().st_size
+    if size > MAX_SPEC_BYTES:
+        raise ConfigError(
+            f"{path}: the job spec is {size:,} bytes, more than the {MAX_SPEC_BYTES:,} a job spec "
+            "may have; is this the right file?"
+        )
     try:
-        data = yaml.safe_load(text)
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    try:
+        data = _safe_load(text)
+    except _AliasBudgetError as e:
+        mark = e.problem_mark
+        raise ConfigError(f"{path}: line {mark.line + 1}: {e.problem}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

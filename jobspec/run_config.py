@@ -15,13 +15,14 @@ PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
-RUN_ID_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# Always fullmatch: `$` alone also matches before a trailing newline ("name\n").
+RUN_ID_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def check_dns_label(value: str, what: str, max_len: int = 63) -> str:
     """`value` if it is a DNS-1123 label of at most max_len characters, else the one error
     every run id, job name and JAXJOB_RUN_ID gives (`what` names the field)."""
-    if len(value) > max_len or not RUN_ID_RE.match(value):
+    if len(value) > max_len or not RUN_ID_RE.fullmatch(value):
         raise ValueError(
             f"{what}{value!r} is not a DNS-1123 label: use 1-{max_len} lowercase letters, digits or "
             "'-', starting and ending with a letter or digit"

@@ -113,6 +113,19 @@ def _fmt_progress(p: dict[str, Any]) -> str:
     return out + (f", loss {loss:.4f}" if isinstance(loss, int | float) else "")
 
 
+def _fmt_attempt(st: dict[str, Any]) -> str:
+    """The attempt line from whichever restart counts the backend knows (local: restarts and
+    max_restarts; slurm: the requeue count; k8s: the restarts counted against the maximum)."""
+    if st.get("attempt") is None:
+        return ""
+    restarts, most = st.get("restarts"), st.get("max_restarts")
+    if restarts is not None and most is not None:
+        return f"{st['attempt']}  ({restarts} of {most} restarts)"
+    if st.get("restarts_counted") is not None:
+        return f"{st['attempt']}  ({st['restarts_counted']} restarts counted against max_restarts)"
+    return str(st["attempt"])
+
+
 def _status(rec: RunRecord, st: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's state (`st`: the backend's status when the caller already has it)."""
     from launch.progress import read_progress
@@ -138,6 +151,11 @@ def _wait(backend: Backend, rec: RunRecord, stream: bool) -> dict[str, Any]:
         for line in backend.logs(handle, host=None, follow=True, tail=None):
             click.echo(line)
     while (st := backend.status(handle)).get("state") not in TERMINAL:
+        if st.get("never_starts"):  # waiting would never end
+            raise JaxjobError(
+                f"run {rec.run_id} is queued but {st['hint']}; it stays queued until then "
+                f"(launch cancel {rec.run_id} removes it)"
+            )
         time.sleep(1.0)
     return st
 
@@ -280,10 +298,11 @@ def status_cmd(run: str, as_json: bool) -> None:
     st = info["backend_status"]
     click.echo(f"run         {info['run_id']}  ({info['backend']})")
     click.echo(f"state       {info['state']}  {info['detail']}")
-    if "attempt" in st:
-        click.echo(
-            f"attempt     {st['attempt']}  ({st['restarts']} of {st['max_restarts']} restarts)"
-        )
+    attempt = _fmt_attempt(st)
+    if attempt:
+        click.echo(f"attempt     {attempt}")
+    if st.get("hint"):
+        click.echo(f"hint        {st['hint']}")
     click.echo(f"progress    {_fmt_progress(info['progress'])}")
     event = info["progress"].get("last_event")
     if event:
@@ -338,7 +357,8 @@ def cancel_cmd(run: str, wait: bool) -> None:
 def list_cmd(with_status: bool, as_json: bool) -> None:
     """Runs submitted from this machine, newest first."""
     rows: list[dict[str, Any]] = []
-    for rec in Registry().list():
+    records, broken = Registry().scan()
+    for rec in records:
         row = {"run_id": rec.run_id, "backend": rec.backend, "submitted": rec.submitted,
                "run_uri": rec.run_uri, "job_path": rec.job_path}  # fmt: skip
         if with_status:
@@ -350,13 +370,17 @@ def list_cmd(with_status: bool, as_json: bool) -> None:
         rows.append(row)
     if as_json:
         _print_json(rows)
+        for b in broken:  # the JSON stays a list of runs; what could not be read goes aside
+            click.echo(f"broken record: {b.path}: {b.why}", err=True)
         return
-    if not rows:
+    if not rows and not broken:
         click.echo("no runs submitted from this machine yet")
         return
     for r in rows:
         state = f"  {r['state']}" if with_status else ""
         click.echo(f"{r['run_id']:<48} {r['backend']:<6} {r['submitted'][:19]}Z{state}")
+    for b in broken:
+        click.echo(f"broken record: {b.path}: {b.why}")
 
 
 @cli.command("plan")

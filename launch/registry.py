@@ -23,6 +23,7 @@ from typing import Any
 
 from jobspec.errors import JaxjobError
 from launch.backend import Handle, Submission
+from launch.runid import is_run_id
 
 RECORD_FILE = "record.json"
 
@@ -60,6 +61,25 @@ def read_json(path: Path) -> Any | None:
         return None
 
 
+# What each backend's status/logs/cancel read from a handle: a record without them is broken.
+HANDLE_KEYS = {
+    "local": ("run_dir",),
+    "slurm": ("job_id", "workdir"),
+    "k8s": ("namespace", "jobset"),
+}
+
+
+class BrokenRecordError(JaxjobError):
+    """A record.json that cannot be read or does not describe a run."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        self.path, self.why = path, why
+        super().__init__(
+            f"broken record: {path}: {why}; fix it or remove {path.parent} (the run's "
+            "artifacts are elsewhere and stay)"
+        )
+
+
 @dataclass
 class RunRecord:
     run_id: str
@@ -81,6 +101,49 @@ class RunRecord:
     def from_dict(cls, data: dict[str, Any]) -> RunRecord:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         return cls(**known)
+
+
+def _why_broken(data: Any, run_id: str) -> str | None:
+    """What is wrong with a record.json's content (None: nothing), so one bad record is one
+    sentence rather than a KeyError wherever a field is first used."""
+    if not isinstance(data, dict):
+        return f"a record is a JSON object, not {type(data).__name__}"
+    fields = RunRecord.__dataclass_fields__
+    missing = [k for k in fields if k not in data and k != "backend_options"]
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    for k in ("run_id", "backend", "output_uri", "submitted", "job_path"):
+        if not isinstance(data[k], str):
+            return f"{k} is {data[k]!r}, not a string"
+    for k in ("handle", "backend_options"):
+        if not isinstance(data.get(k, {}), dict):
+            return f"{k} is {data[k]!r}, not a mapping"
+    if data["run_id"] != run_id:
+        return f"it names run {data['run_id']!r} but lies in the folder of {run_id!r}"
+    if data["backend"] not in HANDLE_KEYS:
+        return f"unknown backend {data['backend']!r}"
+    lacks = [k for k in HANDLE_KEYS[data["backend"]] if k not in data["handle"]]
+    if lacks:
+        return f"its {data['backend']} handle lacks {', '.join(lacks)}"
+    return None
+
+
+def read_record(path: Path) -> RunRecord | None:
+    """The RunRecord at `path`, None when there is none, BrokenRecordError when it is bad."""
+    try:
+        data = read_json(path)
+    except UnicodeDecodeError:
+        raise BrokenRecordError(path, "it is not UTF-8 text") from None
+    except ValueError as e:
+        raise BrokenRecordError(path, f"it cannot be read as JSON ({e})") from None
+    except OSError as e:
+        raise BrokenRecordError(path, f"it cannot be read ({e.strerror or e})") from None
+    if data is None:
+        return None
+    why = _why_broken(data, path.parent.name)
+    if why:
+        raise BrokenRecordError(path, why)
+    return RunRecord.from_dict(data)
 
 
 class Registry:
@@ -105,21 +168,15 @@ class Registry:
         write_json_atomic(self.run_dir(rec.run_id) / RECORD_FILE, asdict(rec))
 
     def get(self, run_id: str) -> RunRecord | None:
-        path = self.run_dir(run_id) / RECORD_FILE
-        try:
-            data = read_json(path)
-        except (OSError, ValueError) as e:
-            raise JaxjobError(
-                f"the registry entry {path} cannot be read ({e}); remove it"
-            ) from None
-        return None if data is None else RunRecord.from_dict(data)
+        """The record of `run_id`; None when there is none; BrokenRecordError when it is bad."""
+        return read_record(self.run_dir(run_id) / RECORD_FILE)
 
     def exists(self, run_id: str) -> bool:
         return (self.run_dir(run_id) / RECORD_FILE).is_file()
 
     def lookup(self, run_id: str) -> RunRecord:
         """The record of `run_id`, or an error naming the closest run ids this machine knows."""
-        rec = self.get(run_id) if "/" not in run_id else None
+        rec = self.get(run_id) if is_run_id(run_id) else None
         if rec is not None:
             return rec
         known = [r.run_id for r in self.list()]
@@ -135,15 +192,21 @@ class Registry:
         raise JaxjobError(f"unknown run id {run_id!r}{hint}")
 
     def list(self) -> list[RunRecord]:
-        """Every recorded run, newest first."""
-        out = []
-        for path in self.runs_dir.glob(f"*/{RECORD_FILE}"):
+        """Every recorded run, newest first (broken records left out: see scan)."""
+        return self.scan()[0]
+
+    def scan(self) -> tuple[list[RunRecord], list[BrokenRecordError]]:
+        """Every readable record, newest first, and one error per broken one: a bad record
+        must not hide the others."""
+        out, broken = [], []
+        for path in sorted(self.runs_dir.glob(f"*/{RECORD_FILE}")):
             try:
-                data = read_json(path)
-            except (OSError, ValueError):
-                continue  # an unreadable entry must not hide the others
-            if isinstance(data, dict) and "run_id" in data:
-                out.append(RunRecord.from_dict(data))
+                rec = read_record(path)
+            except BrokenRecordError as e:
+                broken.append(e)
+                continue
+            if rec is not None:
+                out.append(rec)
         # Same-format UTC timestamps sort as strings; the run id breaks ties deterministically.
         out.sort(key=lambda r: (r.submitted, r.run_id), reverse=True)
-        return out
+        return out, broken

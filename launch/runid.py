@@ -22,4 +22,4 @@ def new_run_id(name: str) -> str:
 
 
 def is_run_id(value: str) -> bool:
-    return bool(RUN_ID_RE.match(value))  # a DNS-1123 label, at most MAX_LEN characters
+    return bool(RUN_ID_RE.fullmatch(value))  # a DNS-1123 label, at most MAX_LEN characters

@@ -17,7 +17,7 @@ from launch.runid import is_run_id, new_run_id
 
 def rec(run_id: str, submitted: str, backend: str = "local", **handle) -> RunRecord:
     return RunRecord(
-        run_id=run_id, backend=backend, handle=handle or {"pid": 1}, output_uri="/out",
+        run_id=run_id, backend=backend, handle=handle or {"pid": 1, "run_dir": "/runs/x"}, output_uri="/out",
         submitted=submitted, job_path="/jobs/job.yaml",
     )  # fmt: skip
 
@@ -49,8 +49,8 @@ def test_list_is_newest_first(reg):
 
 
 def test_rerecording_a_run_replaces_it(reg):
-    reg.record(rec("job-aaaaaa", "2026-01-01T00:00:00.000000+00:00", pid=1))
-    reg.record(rec("job-aaaaaa", "2026-01-02T00:00:00.000000+00:00", pid=2))
+    reg.record(rec("job-aaaaaa", "2026-01-01T00:00:00.000000+00:00", pid=1, run_dir="/r"))
+    reg.record(rec("job-aaaaaa", "2026-01-02T00:00:00.000000+00:00", pid=2, run_dir="/r"))
     assert [(r.run_id, r.handle["pid"]) for r in reg.list()] == [("job-aaaaaa", 2)]
 
 

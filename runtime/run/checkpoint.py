@@ -48,12 +48,27 @@ def load_index(store: ArtifactStore) -> dict[str, Any]:
     if not store.exists(INDEX):
         return _index_doc({}, None)
     doc = store.read_json(INDEX)
+    fix = "delete it to rebuild it from the committed checkpoints"
     if not isinstance(doc, dict) or not isinstance(doc.get("checkpoints"), list):
-        raise CheckpointError(
-            f"{store.uri(INDEX)} is not a checkpoint index; delete it to rebuild it from the "
-            "committed checkpoints"
-        )
+        raise CheckpointError(f"{store.uri(INDEX)} is not a checkpoint index; {fix}")
+    # Every reader indexes entries by their step: a bad one is this sentence, not a KeyError.
+    for i, entry in enumerate(doc["checkpoints"]):
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if not _is_step(step):
+            raise CheckpointError(
+                f"{store.uri(INDEX)}: checkpoints[{i}] is {entry!r:.80}, not an entry with an "
+                f"integer step; {fix}"
+            )
+    for key in ("latest", "best"):
+        if doc.get(key) is not None and not _is_step(doc[key]):
+            raise CheckpointError(
+                f"{store.uri(INDEX)}: {key} is {doc[key]!r:.80}, not a step or null; {fix}"
+            )
     return doc
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _committed(store: ArtifactStore, step: int) -> bool:

@@ -24,9 +24,9 @@ def inspect_run(run: str) -> dict[str, Any]:
     rows = store.read_jsonl(TRAIN_METRICS) if store.exists(TRAIN_METRICS) else []
     evals = store.read_jsonl(EVAL_METRICS) if store.exists(EVAL_METRICS) else []
     events = store.read_jsonl(EVENTS) if store.exists(EVENTS) else []
-    index = (
-        store.read_json("checkpoints/index.json") if store.exists("checkpoints/index.json") else {}
-    )
+    from runtime.run.checkpoint import load_index  # checks every entry: one sentence if bad
+
+    index = load_index(store)
     summary = (
         store.read_json("summaries/final.json") if store.exists("summaries/final.json") else None
     )

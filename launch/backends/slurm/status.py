@@ -9,7 +9,21 @@ from typing import Any
 
 from launch.backend import Handle, tail_lines
 from launch.backends.slurm.render import RunDir
-from launch.backends.slurm.submit import FAILED, PENDING, RUNNING, JobRecord, job_record
+from launch.backends.slurm.submit import (
+    FAILED,
+    PENDING,
+    RUNNING,
+    JobRecord,
+    job_record,
+    partition_info,
+)
+
+# Pending reasons under which slurmctld will never start the job as submitted (it accepts
+# such jobs and leaves them pending unless EnforcePartLimits is set).
+NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
+                "InvalidAccount", "InvalidQOS"}  # fmt: skip
+# Pending reasons that last until an administrator acts (nodes down or drained, partition down).
+BLOCKED = {"ReqNodeNotAvail", "PartitionDown", "PartitionInactive", "NodeDown"}
 
 
 def status(handle: Handle) -> dict[str, Any]:
@@ -17,12 +31,66 @@ def status(handle: Handle) -> dict[str, Any]:
     rd = RunDir(Path(handle.data["workdir"]))
     job = job_record(handle)
     cancelled = rd.cancel_mark.exists()
-    base = {"job_id": handle.data["job_id"], "workdir": str(rd.root), "logs": str(rd.logs)}
+    base = {"job_id": handle.data["job_id"], "workdir": str(rd.root), "logs": str(rd.logs),
+            "max_restarts": handle.data.get("max_restarts")}  # fmt: skip
     if job is None:
         return {**base, **_from_result(rd, cancelled, handle.data["job_id"])}
     info = {**base, "slurm_state": job.state, "reason": job.reason, "attempt": job.restarts,
+            "restarts": job.restarts,
             "exit_code": job.exit_code}  # fmt: skip
-    return {**info, **_from_record(job, rd, cancelled)}
+    out = {**info, **_from_record(job, rd, cancelled)}
+    if out["state"] == "pending" and (hint := pending_hint(job, handle.data.get("cluster"))):
+        out["hint"] = hint
+        out["never_starts"] = _reason(job) in NEVER_STARTS  # `submit --wait` stops waiting
+    return out
+
+
+def pending_hint(job: JobRecord, cluster: str | None = None) -> str | None:
+    """Why a pending job will not start by itself, and what to change; None while it simply
+    waits its turn (Resources, Priority, BeginTime, ...)."""
+    reason = _reason(job)
+    if reason in BLOCKED:
+        return (
+            f"SLURM reason {reason}: it cannot start until the partition {job.partition} or its "
+            "nodes are back up; choose another partition (slurm.partition) or ask the admins"
+        )
+    if reason not in NEVER_STARTS:
+        return None
+    part = partition_info(job.partition, cluster) if job.partition else {}
+    total = _first_number(part.get("TotalNodes", ""))
+    most = _first_number(part.get("MaxNodes", ""))
+    limit = min(n for n in (total, most) if n is not None) if total or most else None
+    where = f"the partition {job.partition}" if job.partition else "its partition"
+    if job.num_nodes is not None and limit is not None and job.num_nodes > limit:
+        return (
+            f"SLURM reason {reason}: it can never start: {where} has {limit} node(s) for one "
+            f"job and this job asks for {job.num_nodes}; reduce hosts (or raise "
+            "slurm.hosts_per_node for a CPU job) or choose another partition (slurm.partition), "
+            "then cancel and resubmit"
+        )
+    if reason == "PartitionTimeLimit":
+        return (
+            f"SLURM reason {reason}: it can never start: its time limit {job.time_limit} exceeds "
+            f"the MaxTime {part.get('MaxTime', '?')} of {where}; lower slurm.time or choose "
+            "another partition, then cancel and resubmit"
+        )
+    fix = {
+        "BadConstraints": "no node has what slurm.constraint (or the GPUs) asks for; change it",
+        "InvalidAccount": "slurm.account is not an account you may use; change it",
+        "InvalidQOS": "slurm.qos is not a QOS you may use; change it",
+    }.get(reason, "the job asks for more than the partition offers; reduce hosts or choose "
+               "another partition (slurm.partition)")  # fmt: skip
+    return (
+        f"SLURM reason {reason}: it can never start as submitted: {fix}, then cancel and resubmit"
+    )
+
+
+def _reason(job: JobRecord) -> str:
+    return job.reason.split(",")[0].strip("()")
+
+
+def _first_number(text: str) -> int | None:
+    return int(text) if text.isdigit() else None
 
 
 def _from_record(job: JobRecord, rd: RunDir, cancelled: bool) -> dict[str, str]:
@@ -65,7 +133,7 @@ def _from_result(rd: RunDir, cancelled: bool, job_id: str) -> dict[str, Any]:
         return {"state": "unknown", "detail": f"SLURM no longer knows job {job_id} and it left no "
                 f"result in {rd.root}; see {rd.logs / 'batch.log'}"}  # fmt: skip
     last = _last_batch_line(rd)
-    info = {"exit_code": code, "attempt": attempt}
+    info = {"exit_code": code, "attempt": attempt, "restarts": attempt}
     if code == 0:
         return {**info, "state": "succeeded", "detail": last or "every host finished"}
     state = "cancelled" if cancelled else "failed"

@@ -68,6 +68,9 @@ class JobRecord:
     signal: int
     restarts: int
     nodes: str
+    partition: str = ""
+    num_nodes: int | None = None  # nodes the job asks for (NumNodes, "3" or "3-3")
+    time_limit: str = ""  # e.g. 00:15:00, UNLIMITED
 
 
 def parse_scontrol(text: str) -> JobRecord:
@@ -83,7 +86,25 @@ def parse_scontrol(text: str) -> JobRecord:
         signal=int(sig or 0),
         restarts=int(fields.get("Restarts", "0") or 0),
         nodes=fields.get("NodeList", ""),
+        partition=fields.get("Partition", ""),
+        num_nodes=_first_int(fields.get("NumNodes", "")),
+        time_limit=fields.get("TimeLimit", ""),
     )
+
+
+def _first_int(text: str) -> int | None:
+    m = re.match(r"\d+", text)
+    return int(m.group()) if m else None
+
+
+def partition_info(name: str, cluster: str | None = None) -> dict[str, str]:
+    """`scontrol show partition NAME -o` as a dict (TotalNodes, MaxNodes, MaxTime, ...); empty
+    when the partition cannot be read (the caller then gives a hint without its figures)."""
+    proc = _run(slurm_cmd("scontrol", "show", "partition", "-o", name, cluster=cluster),
+                check=False)  # fmt: skip
+    if proc.returncode != 0:
+        return {}
+    return dict(re.findall(r"(?:^|\s)([A-Za-z/_]+)=(\S*)", proc.stdout))
 
 
 def job_record(handle: Handle) -> JobRecord | None:
@@ -132,6 +153,7 @@ def submit(sub: Submission, rd: RunDir, files: list[RenderedFile]) -> Handle:
         "run_id": sub.run_id,
         "hosts": sub.spec.host_processes("slurm"),
         "grace_s": sub.spec.slurm.signal_grace_s,
+        "max_restarts": sub.spec.max_restarts,
     }
     if cluster:
         data["cluster"] = cluster

@@ -184,7 +184,9 @@ def logs(
         for line in tail_lines(lines, tail):
             yield f"[host {h}] {line}"
     while follow:
-        done = status(handle)["state"] not in ("pending", "running")
+        st = status(handle)
+        # A job that can never start writes no more lines: stop following, as for an end.
+        done = st["state"] not in ("pending", "running") or bool(st.get("never_starts"))
         got = False
         for h, r in readers.items():
             for line in r.read_lines(final=done):

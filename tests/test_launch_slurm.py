@@ -89,6 +89,14 @@ def test_submit_status_logs_on_slurm(tmp_path, prepared, slurm_cluster, submitte
     assert final["status"] == "completed" and final["steps"] == 6
     listed = json.loads(launch(state, "list", "--json").stdout)
     assert [r["run_id"] for r in listed] == [run_id]
+    # The human-readable forms of the same finished job (status was a KeyError on SLURM).
+    human = launch(state, "status", run_id)
+    assert human.returncode == 0 and "Traceback" not in human.stderr, human.stderr
+    lines = {ln[:12].strip(): ln[12:] for ln in human.stdout.splitlines()}
+    assert lines["run"] == f"{run_id}  (slurm)" and lines["state"].startswith("succeeded")
+    assert lines["attempt"] == "0  (0 of 0 restarts)" and lines["progress"].startswith("step 6 / 6")
+    row = launch(state, "list", "--status").stdout.split()
+    assert row[:2] == [run_id, "slurm"] and row[-1] == "succeeded"
 
 
 def test_cancel_on_slurm_checkpoints_first(tmp_path, prepared, slurm_cluster, submitted):
@@ -102,6 +110,8 @@ def test_cancel_on_slurm_checkpoints_first(tmp_path, prepared, slurm_cluster, su
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         assert time.monotonic() < deadline, launch(state, "status", run_id).stdout
         time.sleep(0.5)
+    running = launch(state, "status", run_id).stdout.splitlines()
+    assert running[1].startswith("state       running  running on "), running
     res = launch(state, "cancel", run_id, timeout=30)  # returns once SIGTERM is sent
     assert res.returncode == 0 and "cancel sent" in res.stdout, res.stderr
     info = wait_state(state, run_id, {"cancelled", "failed", "succeeded"})

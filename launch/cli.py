@@ -153,7 +153,7 @@ def _wait(backend: Backend, rec: RunRecord, stream: bool) -> dict[str, Any]:
     while (st := backend.status(handle)).get("state") not in TERMINAL:
         if st.get("never_starts"):  # waiting would never end
             raise JaxjobError(
-                f"run {rec.run_id} is queued but {st['hint']}; it stays queued until then "
+                f"run {rec.run_id} is queued but {st['hint']}; it stays queued "
                 f"(launch cancel {rec.run_id} removes it)"
             )
         time.sleep(1.0)

@@ -9,16 +9,24 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jobspec.catalogue import Accelerator, lookup
 from jobspec.errors import ConfigError
 from jobspec.names import check_k8s_names
 from jobspec.run_config import RunConfig, check_dns_label
+from jobspec.secrets import find_secrets, refusal
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` passes "NAME\n"
 # Names whose literal values would put a credential into the spec (and the rendered manifests).
-SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_?KEY|PRIVATE_?KEY)", re.I)
+SECRET_NAME = re.compile(
+    r"(TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|CREDENTIAL|API_?KEY|PRIVATE_?KEY|ACCESS_?KEY"
+    r"|SESSION_?KEY|AUTH_?KEY)",
+    re.I,
+)
+# A Kubernetes resource quantity, as emptyDir sizeLimit takes it (e.g. 8Gi, 512Mi).
+QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 RESERVED_ENV = ("JAXJOB_", "JAX_COORDINATOR", "JAX_PLATFORMS")
 
 
@@ -50,6 +58,27 @@ class K8sSection(Spec):
     ttl_after_finished_s: Annotated[int, Field(ge=0)] | None = Field(
         None, description="Delete the JobSet this long after it finishes."
     )
+    # Pod Security "restricted": the pods run as this numeric non-root user, on a read-only
+    # root filesystem with emptyDirs where the runtime writes (README, "Kubernetes").
+    run_as_user: Annotated[int, Field(ge=1)] = Field(
+        1000, description="Numeric user id the containers run as (never 0)."
+    )
+    run_as_group: Annotated[int, Field(ge=1)] = Field(
+        1000, description="Numeric group id of the containers; also the pod's fsGroup."
+    )
+    shm_size: str = Field(
+        "16Gi", description="Size limit of /dev/shm (memory-backed; NCCL and XLA use it)."
+    )
+    scratch_size: str = Field(
+        "20Gi", description="Size limit of each writable scratch emptyDir (HOME, /tmp)."
+    )
+
+    @field_validator("shm_size", "scratch_size")
+    @classmethod
+    def _quantity(cls, v: str) -> str:
+        if not QUANTITY.match(v):
+            raise ValueError(f"{v!r} is not a Kubernetes quantity; write it like 16Gi or 512Mi")
+        return v
 
 
 class ContainerSection(Spec):
@@ -130,6 +159,15 @@ class JobSpec(Spec):
                 )
         return v
 
+    @model_validator(mode="after")
+    def _no_literal_secrets(self) -> JobSpec:
+        # Secret references are names, not values: left out of the scan.
+        data = self.model_dump(mode="json")
+        data["env"] = {k: v for k, v in data["env"].items() if isinstance(v, str)}
+        for where, what in find_secrets(data):
+            raise ValueError(refusal(where, what))
+        return self
+
     @property
     def catalogue(self) -> Accelerator:
         return lookup(self.accelerator)
@@ -178,6 +216,13 @@ class JobSpec(Spec):
         if backend == "local":
             return self.local.processes or self.total_hosts
         return self.total_hosts
+
+
+def spec_yaml(spec: JobSpec) -> str:
+    """The validated job spec as YAML: the keys the user set, no comments, no unknown keys; what
+    the backends embed (ConfigMap, run folder) instead of the file as written."""
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
 
 
 def check_mesh_fits(

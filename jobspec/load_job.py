@@ -21,6 +21,7 @@ from jobspec.load import (
     resolve_includes,
 )
 from jobspec.run_config import RunConfig
+from jobspec.secrets import find_secrets, refusal
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,8 @@ def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = Non
         raw = merge(raw, {"run": {"output_uri": spec.output_uri}})
     run_id = spec.run_id or (new_run_id(spec) if new_run_id is not None else spec.name)
     raw = merge(raw, {"run": {"id": run_id}})
+    for where, what in find_secrets(raw):  # cfg.toml goes verbatim to every backend's hosts
+        raise ConfigError(f"{source}: {refusal(where, what)}")
     run = parse_run_config(raw, source)
     return LoadedJob(spec, run, tomli_w.dumps(raw), yaml_text, p, run_id)
 

@@ -18,8 +18,10 @@ from typing import Any
 import yaml
 
 from jobspec.errors import ConfigError
-from jobspec.job_spec import JobSpec, SecretRef
-from launch.backend import RESTARTABLE_EXIT_CODES, Submission
+from jobspec.exit_codes import RESTARTABLE_EXIT_CODES, SIGNAL_EXIT_CODES
+from jobspec.job_spec import JobSpec, SecretRef, spec_yaml
+from jobspec.storage import is_remote
+from launch.backend import Submission
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "slice"
@@ -31,6 +33,17 @@ COORDINATOR_PORT = 8476  # JAX's usual coordinator port
 MAX_NAME = 63  # DNS-1035 label: pod and Job names, hostnames
 POD_SUFFIX = "-abcde"  # Kubernetes appends '-' and 5 random characters to each pod's name
 CONFIGMAP_MAX_BYTES = 1024 * 1024
+# Where the runtime and the libraries under it write (the root filesystem is read-only, Pod
+# Security "restricted"): HOME (~/.cache: Hugging Face, pip, JAX's compilation cache, via
+# XDG_CACHE_HOME too), /tmp (Python's tempfile, libtpu's /tmp/tpu_logs, XLA dumps) and
+# /dev/shm (NCCL, multiprocessing). Each is an emptyDir with a size limit.
+HOME_DIR = "/home/jaxjob"
+TMP_DIR = "/tmp"
+SHM_DIR = "/dev/shm"
+# Exits that restart the JobSet, counted against maxRestarts: the runtime's restartable codes
+# and deaths by signal (134 SIGABRT, 137 SIGKILL or OOM-kill, 139 SIGSEGV, 143 SIGTERM).
+# The same table as is_restartable (tests/test_k8s_render.py checks every code).
+RESTART_EXIT_CODES = sorted(set(RESTARTABLE_EXIT_CODES) | set(SIGNAL_EXIT_CODES))
 
 # What JobSet and the Job controller put on every pod, as labels and as annotations (FACTS.md,
 # "JobSet and JAX on Kubernetes"); the ones used here:
@@ -100,7 +113,7 @@ def check_names(run_id: str, spec: JobSpec) -> None:
 
 
 def _pod_failure_policy() -> dict[str, Any]:
-    codes = sorted(RESTARTABLE_EXIT_CODES)
+    codes = RESTART_EXIT_CODES  # sorted, as the API requires; at most 255 values
 
     def exits(operator: str) -> dict[str, Any]:
         return {"containerName": CONTAINER, "operator": operator, "values": codes}
@@ -108,7 +121,8 @@ def _pod_failure_policy() -> dict[str, Any]:
     rules = [
         # _PREEMPTED: preemption, eviction, node drain give the pod a DisruptionTarget condition.
         {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-        # _RESTARTABLE: the runtime stopped cleanly after a checkpoint, or lost a peer.
+        # _RESTARTABLE: the runtime stopped after a checkpoint, lost a peer, or met a storage
+        # fault; or the process died by a signal (OOM-kill, a crash of the runtime under it).
         {"action": "FailJob", "onExitCodes": exits("In")},
         # _OTHER: FailJob rather than backoffLimit keeps the pod and exit code in the message.
         {"action": "FailJob", "onExitCodes": exits("NotIn")},
@@ -117,7 +131,6 @@ def _pod_failure_policy() -> dict[str, Any]:
 
 
 def _failure_policy(max_restarts: int) -> dict[str, Any]:
-    codes = "|".join(str(c) for c in sorted(RESTARTABLE_EXIT_CODES))
     # Patterns match the Job controller's messages (pkg/controller/job/pod_failure_policy.go):
     #   "Pod <ns>/<pod> has condition DisruptionTarget matching FailJob rule at index 0"
     #   "Container worker for pod <ns>/<pod> failed with exit code 42 matching FailJob rule at index 1"
@@ -138,10 +151,12 @@ def _failure_policy(max_restarts: int) -> dict[str, Any]:
                 "action": "RestartJobSet",
                 "onJobFailureReasons": ["PodFailurePolicy"],
                 "onJobFailureMessagePatterns": [
-                    f"failed with exit code ({codes}) matching FailJob rule at index {_RESTARTABLE}$"
+                    # rule _RESTARTABLE matches only RESTART_EXIT_CODES
+                    f"failed with exit code [0-9]+ matching FailJob rule at index {_RESTARTABLE}$"
                 ],
             },
-            # Everything else (a user error, a crash, a pod that failed without an exit code).
+            # Everything else (a user error, a bug's exit 1, a pod that failed without an exit
+            # code) fails the JobSet: restarting cannot help.
             {"name": "AnyOtherFailure", "action": "FailJobSet"},
         ],
     }
@@ -165,6 +180,7 @@ def _env(sub: Submission, port: int) -> list[dict[str, Any]]:
     ]
     if spec.catalogue.kind == "cpu":  # TPU/GPU images pick their platform themselves
         env.append({"name": "JAX_PLATFORMS", "value": "cpu"})
+    env += _writable_env()
     env = [e for e in env if e["name"] not in spec.env]  # the spec may override PYTHONUNBUFFERED
     for name, value in spec.env.items():
         if isinstance(value, SecretRef):
@@ -173,6 +189,72 @@ def _env(sub: Submission, port: int) -> list[dict[str, Any]]:
         else:
             env.append({"name": name, "value": value})
     return env
+
+
+def _writable_env() -> list[dict[str, Any]]:
+    """Point every writer at the emptyDirs: the image's HOME may be unwritable, or root's."""
+    return [
+        {"name": "HOME", "value": HOME_DIR},
+        {"name": "TMPDIR", "value": TMP_DIR},
+        {"name": "XDG_CACHE_HOME", "value": f"{HOME_DIR}/.cache"},
+    ]
+
+
+def local_output_dir(sub: Submission) -> str | None:
+    """The container path of a local output_uri (an emptyDir there), None for gs:// and the like."""
+    uri = sub.output_uri
+    if is_remote(uri):
+        return None
+    path = uri.removeprefix("file://")
+    if not path.startswith("/"):
+        raise ConfigError(
+            f"output_uri: {uri!r} is relative, so inside a k8s container it would be under the "
+            "image's working directory on a read-only root filesystem; use gs://… (kept after the "
+            "pods are gone) or an absolute path"
+        )
+    path = path.rstrip("/")
+    if not path:
+        raise ConfigError(f"output_uri: {uri!r} is the root directory; use gs://… or a directory")
+    return path
+
+
+def _writable_volumes(sub: Submission) -> list[tuple[str, str, dict[str, Any]]]:
+    """(volume name, mount path, emptyDir) for each place the runtime writes."""
+    k8s = sub.spec.k8s
+    out = [
+        ("dshm", SHM_DIR, {"medium": "Memory", "sizeLimit": k8s.shm_size}),
+        ("home", HOME_DIR, {"sizeLimit": k8s.scratch_size}),
+        ("tmp", TMP_DIR, {"sizeLimit": k8s.scratch_size}),
+    ]
+    output = local_output_dir(sub)
+    inside = output is not None and any(
+        output == path or output.startswith(path + "/") for _, path, _ in out
+    )
+    if output is not None and not inside:  # gone with the pod: a try-out; gs:// keeps a run
+        out.append(("output", output, {"sizeLimit": k8s.scratch_size}))
+    return out
+
+
+def _container_security() -> dict[str, Any]:
+    # Pod Security "restricted" (tests/test_pod_security.py checks each rule); no accelerator
+    # needs an exception: GKE's TPU and GPU device plugins work without privileged mode.
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security(k8s: Any) -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": k8s.run_as_user,
+        "runAsGroup": k8s.run_as_group,
+        "fsGroup": k8s.run_as_group,  # the emptyDirs and any mounted volume are the group's
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _container(sub: Submission, port: int) -> dict[str, Any]:
@@ -190,14 +272,11 @@ def _container(sub: Submission, port: int) -> dict[str, Any]:
     container |= {
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "dshm", "mountPath": "/dev/shm"},
+            *({"name": n, "mountPath": path} for n, path, _ in _writable_volumes(sub)),
         ],
         # The end of a failed host's output becomes its pod's termination message (status).
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": _container_security(),
     }
     return container
 
@@ -208,6 +287,9 @@ def _pod_spec(sub: Submission, port: int) -> dict[str, Any]:
         "restartPolicy": "Never",  # the JobSet webhook would default OnFailure
         "subdomain": jobset_name(sub.run_id),
         "terminationGracePeriodSeconds": k8s.termination_grace_s,
+        # The runtime never calls the API server; with a service account (e.g. for GKE
+        # Workload Identity, served by the metadata server) the token still stays out.
+        "automountServiceAccountToken": False,
     }
     if k8s.service_account:
         pod["serviceAccountName"] = k8s.service_account
@@ -219,11 +301,11 @@ def _pod_spec(sub: Submission, port: int) -> dict[str, Any]:
     if k8s.tolerations:
         pod["tolerations"] = [dict(t) for t in k8s.tolerations]
     pod |= {
-        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": _pod_security(k8s),
         "containers": [_container(sub, port)],
         "volumes": [
             {"name": "config", "configMap": {"name": configmap_name(sub.run_id)}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            *({"name": n, "emptyDir": ed} for n, _, ed in _writable_volumes(sub)),
         ],
     }
     return pod
@@ -257,7 +339,8 @@ def render_manifests(
     ns = namespace or spec.k8s.namespace
     name = jobset_name(sub.run_id)
 
-    data = {CONFIG_FILE: sub.run_toml, SPEC_FILE: sub.spec_yaml}
+    # The validated spec, re-serialised: the file as written may carry comments (or worse).
+    data = {CONFIG_FILE: sub.run_toml, SPEC_FILE: spec_yaml(spec)}
     size = sum(len(v.encode()) for v in data.values())
     if size > CONFIGMAP_MAX_BYTES:
         raise ConfigError(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.errors import JaxjobError
+from jobspec.job_spec import spec_yaml
 from launch.backend import Handle, Submission
 from launch.runid import is_run_id
 
@@ -161,7 +162,7 @@ class Registry:
         """The run's own folder with what the hosts read; backends may use it as their workdir."""
         d = self.run_dir(sub.run_id)
         write_text_atomic(d / "cfg.toml", sub.run_toml)
-        write_text_atomic(d / "job.yaml", sub.spec_yaml)
+        write_text_atomic(d / "job.yaml", spec_yaml(sub.spec))  # validated, no comments
         return d
 
     def record(self, rec: RunRecord) -> None:

@@ -161,7 +161,9 @@ def test_cpu_pods_form_one_cluster_and_finish(tmp_path, prepared):
             env["JAXJOB_COORDINATOR"] = env["JAXJOB_COORDINATOR"].replace(dns, "127.0.0.1")
             env |= {
                 "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin",
+                # The pod's emptyDirs (HOME, its cache) are directories of this test.
                 "HOME": str(tmp_path),
+                "XDG_CACHE_HOME": str(tmp_path / ".cache"),
                 "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
             }

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from jobspec.errors import ConfigError
+from jobspec.exit_codes import is_restartable
 from jobspec.job_spec import JobSpec
 from jobspec.load_job import load_job, run_with_id
 from k8s.backend import K8sBackend
@@ -251,11 +252,12 @@ def test_accelerator_resources_and_selectors(case, resource, selector):
     assert pod.get("nodeSelector", {}) == selector
     assert ("JAX_PLATFORMS" in env_of(m)) == (case == "cpu-2")  # never forced on TPU/GPU
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
-    assert "privileged" not in c["securityContext"]
+    assert c["securityContext"].get("privileged", False) is False  # no accelerator needs it
     mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
-    assert mounts == {"/etc/jaxjob": "config", "/dev/shm": "dshm"}
+    assert mounts == {"/etc/jaxjob": "config", "/dev/shm": "dshm", "/home/jaxjob": "home",
+                      "/tmp": "tmp"}  # fmt: skip
     vols = {v["name"]: v for v in pod["volumes"]}
-    assert vols["dshm"]["emptyDir"] == {"medium": "Memory"}
+    assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
     assert vols["config"]["configMap"]["name"] == m.configmap["metadata"]["name"]
     assert c["command"] + c["args"] == [
         "sh", "-c", c["command"][2], "sh", "runtime", "worker", "/etc/jaxjob/cfg.toml"
@@ -272,7 +274,12 @@ def test_k8s_section_queue_priority_and_env():
     assert m.jobset["spec"]["ttlSecondsAfterFinished"] == 86400
     assert env_of(m)["HF_HUB_OFFLINE"] == "1"
     assert m.configmap["data"]["cfg.toml"].startswith('[run]\nid = "llm-v5e-abc123"')
-    assert m.configmap["data"]["job.yaml"] == (SPECS / "tpu-v5e-16.yaml").read_text()
+    # The validated spec re-serialised, not the file: no comments, the same spec when read back.
+    carried = m.configmap["data"]["job.yaml"]
+    assert "#" not in carried and carried != (SPECS / "tpu-v5e-16.yaml").read_text()
+    assert (
+        JobSpec.model_validate(yaml.safe_load(carried)) == load_job(SPECS / "tpu-v5e-16.yaml").spec
+    )
     assert m.configmap["immutable"] is True
 
     gpu = render_manifests(submission("gpu-h100x2"))
@@ -346,9 +353,15 @@ def _jobset_action(policy: dict, reason: str, message: str) -> tuple[str, str]:
         (42, None, "RestartJobSet"),  # SIGTERM from elsewhere, after a checkpoint
         (43, None, "RestartJobSet"),  # a peer host was lost
         (44, None, "RestartJobSet"),  # the cluster did not form
+        (45, None, "RestartJobSet"),  # a storage fault after retries
+        (134, None, "RestartJobSet"),  # SIGABRT: JAX aborts when host 0 is gone
+        (137, None, "RestartJobSet"),  # SIGKILL: OOM-killed
+        (139, None, "RestartJobSet"),  # SIGSEGV
+        (143, None, "RestartJobSet"),  # SIGTERM without a checkpoint (during start-up)
         (2, None, "FailJobSet"),  # user error: restarting cannot help
-        (1, None, "FailJobSet"),  # a crash
-        (137, None, "FailJobSet"),  # OOM-killed
+        (1, None, "FailJobSet"),  # a bug's exit
+        (128, None, "FailJobSet"),  # not a signal death
+        (255, None, "FailJobSet"),  # exit(-1)
         (None, None, "FailJobSet"),  # failed without an exit code
     ],
 )
@@ -360,6 +373,20 @@ def test_failure_policy_decides(exit_code, condition, action):
     assert got == action, (name, reason, message)
     if action == "FailJobSet" and exit_code:
         assert f"exit code {exit_code}" in message  # the failing pod's message is kept
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_failure_policy_agrees_with_the_shared_exit_code_table(case):
+    """Every exit code 1-255: the JobSet restarts (counted) exactly when is_restartable says so,
+    the table the local supervisor and the SLURM verdict use too."""
+    m = render_manifests(submission(case))
+    job = m.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    policy = m.jobset["spec"]["failurePolicy"]
+    for code in range(1, 256):
+        _, got = _jobset_action(policy, *_job_failure(job, code, None))
+        assert got == ("RestartJobSet" if is_restartable(code) else "FailJobSet"), code
+    values = job["podFailurePolicy"]["rules"][1]["onExitCodes"]["values"]
+    assert values == sorted(set(values)) and len(values) <= 255 and 0 not in values  # API limits
 
 
 def test_failure_policy_rules_are_named_as_the_webhook_requires():

@@ -16,6 +16,7 @@ import pytest
 import tomli_w
 
 from jobspec.errors import ConfigError
+from jobspec.exit_codes import is_restartable
 from jobspec.job_spec import JobSpec
 from jobspec.load_job import load_job, run_with_id
 from launch.backend import Handle, Submission
@@ -181,6 +182,11 @@ def _verdict(tmp_path: Path, codes: list[int], *, rc: int, attempt: int = 0, can
         ([42, 42], 42, 2, False, 42, False),  # no restarts left
         ([42, 42], 42, 0, True, 42, False),  # launch cancel: never requeued
         ([], 1, 0, False, 1, False),  # srun failed before any host ran
+        ([45, 143], 143, 0, False, 0, True),  # a storage fault: restartable everywhere
+        ([134, 143], 143, 0, False, 0, True),  # SIGABRT (JAX lost host 0): requeue
+        ([139, 0], 139, 0, False, 0, True),  # SIGSEGV: requeue
+        ([128, 143], 143, 0, False, 128, False),  # 128 is no signal death: fails, as on k8s
+        ([255, 143], 255, 0, False, 255, False),  # exit(-1): fails
     ],
 )
 def test_verdict(tmp_path, codes, rc, attempt, cancel, want_exit, want_requeue):
@@ -188,6 +194,34 @@ def test_verdict(tmp_path, codes, rc, attempt, cancel, want_exit, want_requeue):
     assert (exit_code, requeued) == (want_exit, want_requeue), out
     if not requeued:
         assert (tmp_path / "result").read_text().split() == [str(want_exit), str(attempt)]
+
+
+def test_verdict_agrees_with_the_shared_exit_code_table(tmp_path):
+    """Every exit code 1-255 of one host (the other exits 0): the batch shell requeues exactly
+    when is_restartable says so, as the k8s failure policy and the local supervisor do. One
+    bash runs all 255 verdicts, each in its own subshell and directory."""
+    script = render_script(_from_dict(max_restarts=2), tmp_path)
+    helpers = [ln for ln in script.splitlines() if ln.startswith(("say()", "finish()"))]
+    verdict = script.split("# ---- the verdict\n", 1)[1]
+    lines = []
+    for code in range(1, 256):
+        d = tmp_path / str(code)
+        (d / "exit").mkdir(parents=True)
+        (d / "exit" / "host-0").write_text(f"{code}\n")
+        (d / "exit" / "host-1").write_text("0\n")
+        stub = f'scontrol() {{ echo "$*" >{d}/scontrol; }}'
+        prelude = f"rundir={d}; exits={d}/exit; rc={code}; JAXJOB_ATTEMPT=0"
+        body = "\n".join([prelude, stub, *helpers, verdict])
+        lines.append(f"( {body}\n) >/dev/null; echo {code} $?")
+    env = {**os.environ, "SLURM_JOB_ID": "9"}
+    proc = subprocess.run(["bash"], input="\n".join(lines), capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    results = dict(tuple(map(int, ln.split())) for ln in proc.stdout.splitlines())
+    assert sorted(results) == list(range(1, 256)), proc.stderr
+    for code, exit_code in results.items():
+        requeued = (tmp_path / str(code) / "scontrol").exists()
+        assert requeued == is_restartable(code), code
+        assert exit_code == (0 if requeued else code), code
 
 
 # ---- status and logs from scontrol's text and the run directory -------------------------------

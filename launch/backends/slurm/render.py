@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobspec.errors import ConfigError
-from jobspec.job_spec import JobSpec, SecretRef
-from launch.backend import RESTARTABLE_EXIT_CODES, RenderedFile, Submission
+from jobspec.exit_codes import RESTARTABLE_EXIT_CODES, SIGNAL_EXIT_CODES
+from jobspec.job_spec import JobSpec, SecretRef, spec_yaml
+from launch.backend import RenderedFile, Submission
 from launch.registry import Registry
 
 SCRIPT, CONFIG, SPEC = "job.sbatch", "cfg.toml", "job.yaml"
@@ -101,11 +102,12 @@ echo "$rc" >"$1/host-$SLURM_PROCID"
 exit "$rc"\
 """
 
-# The whole batch script. The verdict (at the end) goes over every host's code: a plain code
-# (1-41, 45-127: bad input, a bug) fails the job with it; otherwise a restartable one (42
-# checkpointed on SIGTERM, 43 a peer was lost, 44 the cluster did not form) or a death by signal
-# (128+N, e.g. SIGTERMed by --kill-on-bad-exit after another host failed) requeues it while
-# restarts remain.
+# The whole batch script. The verdict (at the end) goes over every host's code, by the table in
+# jobspec/exit_codes.py (is_restartable): any other code (2 bad input, 1 a bug, 128 or above
+# 159) fails the job with it; otherwise a restartable one (42 checkpointed on SIGTERM, 43 a peer
+# was lost, 44 the cluster did not form, 45 a storage fault) or a death by signal (129-159,
+# e.g. 137 OOM-killed, or 143 SIGTERMed by --kill-on-bad-exit after another host failed)
+# requeues it while restarts remain.
 SCRIPT_TEMPLATE = ScriptTemplate(
     r"""#!/bin/bash
 # jaxjob run @{run_id}, rendered by the slurm backend; submit with: sbatch @{script}
@@ -142,7 +144,7 @@ for code in ${codes:-$rc}; do
     case $code in
     0) ;;
     @{restartable}) [ "$restart" != 0 ] || restart=$code ;;
-    *) if [[ $code =~ ^[0-9]+$ ]] && ((code >= 128)); then
+    *) if [[ $code =~ ^[0-9]+$ ]] && ((code >= @{signal_min} && code <= @{signal_max})); then
            [ "$restart" != 0 ] || restart=$code
        else
            [ "$fatal" != 0 ] || fatal=$code
@@ -334,6 +336,8 @@ def render_script(
         host_wrapper=shlex.quote(HOST_WRAPPER),
         srun=" \\\n    ".join(_srun(spec, rd, workdir, nodes, per_node, runtime_command)),
         restartable="|".join(map(str, RESTARTABLE_EXIT_CODES)),
+        signal_min=min(SIGNAL_EXIT_CODES),
+        signal_max=max(SIGNAL_EXIT_CODES),
         max_restarts=spec.max_restarts,
     )
 
@@ -350,4 +354,4 @@ def render_files(
     script = render_script(sub, rundir, cwd=cwd, hosts_per_node=hosts_per_node,
                            runtime_command=runtime_command)  # fmt: skip
     return [RenderedFile(SCRIPT, script), RenderedFile(CONFIG, sub.run_toml),
-            RenderedFile(SPEC, sub.spec_yaml)]  # fmt: skip
+            RenderedFile(SPEC, spec_yaml(sub.spec))]  # fmt: skip

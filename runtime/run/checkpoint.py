@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -435,3 +436,48 @@ def _invalidate_epath_cache(uri: str) -> None:
     fs = getattr(epath.Path(uri), "_backend", None)
     if fs is not None and hasattr(fs, "fs"):
         fs.fs(uri).invalidate_cache()
+
+
+class _OneLineOrbaxErrors(logging.Filter):
+    """Orbax logs each failed background save from every thread it ran on, each with a full
+    traceback (hundreds of lines for one full disk); the save's error reaches the user once,
+    in one sentence, from `_raise_save_error`. Keep Orbax's lines, one line each."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # Orbax's own lines start "[process=N]" (its caller frame is not always reported).
+        orbax = "orbax" in (record.pathname or "") or str(record.msg).startswith("[process=")
+        if record.exc_info and orbax:
+            record.msg = " ".join(record.getMessage().split())[:300]
+            record.args = None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _event_loop_closed_noise(hook):
+    """tensorstore's callbacks into an Orbax event loop that a failed save already closed print
+    `RuntimeError: Event loop is closed` through sys.excepthook; that is noise after the real
+    error, which the run reports itself. Everything else goes to the previous hook."""
+
+    def quiet(exc_type, exc, tb) -> None:
+        if exc_type is RuntimeError and str(exc) == "Event loop is closed":
+            return
+        hook(exc_type, exc, tb)
+
+    quiet.__jaxjob_quiet__ = True  # type: ignore[attr-defined]
+    return quiet
+
+
+class _QuietOrbaxLeftovers(logging.Filter):
+    """After a failed save, asyncio reports each of Orbax's unawaited write futures as "exception
+    was never retrieved", with a traceback; the save error itself is reported once, by us."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        left = "exception was never retrieved" in str(record.msg)
+        return not (left and exc is not None and storage_fault(exc) is not None)
+
+
+logging.getLogger("absl").addFilter(_OneLineOrbaxErrors())
+logging.getLogger("asyncio").addFilter(_QuietOrbaxLeftovers())
+if not getattr(sys.excepthook, "__jaxjob_quiet__", False):
+    sys.excepthook = _event_loop_closed_noise(sys.excepthook)

@@ -75,7 +75,9 @@ def test_disk_full_during_a_checkpoint_save(tmp_path, prepared, reference, small
     assert "checkpoint ?" not in r.stderr
     failure = _failure(read_jsonl(run_dir / "events.jsonl"))
     rows = read_jsonl(run_dir / "metrics/train.jsonl")
-    assert failure["step"] == rows[-1]["step"] > 5  # the step reached, not 0
+    # The step reached (not 0): the failure surfaces at the next poll, possibly before that
+    # step's row is written.
+    assert rows[-1]["step"] <= failure["step"] <= rows[-1]["step"] + 1 and failure["step"] > 10
     assert failure["exit_code"] == EXIT_STORAGE_FAULT and failure["type"] == "StorageFaultError"
     index = json.loads((run_dir / "checkpoints/index.json").read_text())
     assert [c["step"] for c in index["checkpoints"]] == [5] and index["latest"] == 5
@@ -91,15 +93,14 @@ def test_disk_full_during_a_checkpoint_save(tmp_path, prepared, reference, small
     assert not [p for p in Path(ck).iterdir() if "tmp" in p.name]  # the half save is gone
 
 
-def test_metrics_disk_full_mid_run(tmp_path, prepared, reference, small_fs) -> None:
+def test_metrics_disk_full_then_torn_lines(tmp_path, prepared, reference, small_fs) -> None:
     run_dir = tmp_path / "mx"
     metrics = small_fs("64k")
     run_dir.mkdir()
     (run_dir / "metrics").symlink_to(metrics)
     fill(metrics, leave_bytes=4096)  # one page: about 11 rows of ~360 bytes
-    path = write_config(
-        tmp_path / "mx.toml", tiny_config(prepared, str(tmp_path), "mx", checkpoint=CKPT)
-    )
+    cfg = tiny_config(prepared, str(tmp_path), "mx", checkpoint=CKPT)
+    path = write_config(tmp_path / "mx.toml", cfg)
 
     r = run_cli("local", str(path))
     assert r.returncode == EXIT_STORAGE_FAULT, r.stderr
@@ -112,27 +113,14 @@ def test_metrics_disk_full_mid_run(tmp_path, prepared, reference, small_fs) -> N
     assert failure["exit_code"] == EXIT_STORAGE_FAULT
     assert rows[-1]["step"] >= 5, "the tmpfs must hold a checkpoint's worth of rows"
 
+    # Then a crash in the middle of an append (half a row, no newline) on top of it.
     (Path(metrics) / ".filler").unlink()
-    again = run_cli("local", str(path), "--resume")
-    assert again.returncode == 0, again.stderr
-    assert _losses(read_jsonl(run_dir / "metrics/train.jsonl")) == reference
-
-
-def test_torn_last_lines_are_dropped_and_repaired(tmp_path, prepared, reference) -> None:
-    run_dir = tmp_path / "tn"
-    path = write_config(
-        tmp_path / "tn.toml", tiny_config(prepared, str(tmp_path), "tn", checkpoint=CKPT)
-    )
-    first = run_cli("local", str(path), "--max-steps", "12")
-    assert first.returncode == 0, first.stderr
-    # A crash in the middle of an append: half a row, no newline.
     for rel in ("metrics/train.jsonl", "events.jsonl"):
         with open(run_dir / rel, "ab") as f:
             f.write(b'{"step": 13, "loss": 2.1')
-
     ins = run_cli("inspect", str(run_dir), "--json")
     assert ins.returncode == 0, ins.stderr
-    assert json.loads(ins.stdout)["steps"] == 12
+    assert json.loads(ins.stdout)["steps"] == rows[-1]["step"]
     assert "warning: the last line of" in ins.stderr and "ignoring it" in ins.stderr
     assert (run_dir / "events.jsonl").read_bytes().endswith(b'"loss": 2.1')  # inspect only reads
 
@@ -141,19 +129,7 @@ def test_torn_last_lines_are_dropped_and_repaired(tmp_path, prepared, reference)
     warned = [ln for ln in stderr_lines(again.stderr) if ln.startswith("warning: the last line")]
     assert len(warned) == 2 and all("cut it off the file" in w for w in warned), warned
     assert _losses(read_jsonl(run_dir / "metrics/train.jsonl")) == reference
-    events = read_jsonl(run_dir / "events.jsonl")  # every line parses again
-    assert events[-1]["event"] == "finish"
-
-    # A bad line that is not the last one is corruption, said in one sentence.
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
-    lines[1] = lines[1][:10]
-    (run_dir / "events.jsonl").write_text("\n".join(lines) + "\n")
-    bad = run_cli("inspect", str(run_dir))
-    assert bad.returncode == 2
-    assert _last_line(bad.stderr).startswith(
-        f"error: {run_dir}/events.jsonl line 2 is not valid JSON"
-    )
-    assert "Traceback" not in bad.stderr
+    assert read_jsonl(run_dir / "events.jsonl")[-1]["event"] == "finish"  # every line parses
 
 
 @pytest.fixture

@@ -232,7 +232,7 @@ def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy = DEFAULT_R
 # part objects `<name>.parts/000000<ext>`, …: the last part is rewritten while it is under
 # PART_BYTES, then a new one starts. Readers take a plain object of that name (if any) first,
 # then the parts in order. Locally, files stay plain appended files.
-PART_BYTES = 256 * 1024
+PART_BYTES = 64 * 1024  # an append uploads 32 KiB on average; 1 MB of rows is 16 parts
 PARTS_SUFFIX = ".parts"
 _PART_NAME = re.compile(r"^(\d{6,})(\.[^/]*)?$")
 

@@ -3,7 +3,7 @@
 Point STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL at `proxy.url` and every GCS client of
 a run (gcsfs, tensorstore through Orbax) goes through it. A fault is armed with `fail(...)`: from
 the first request whose URL matches `when` (or at once), for `window_s` seconds and/or `count`
-requests, requests whose URL matches `only` get `status` (a 503 by default) or are held for
+requests, requests whose method, URL and body start match `only` get `status` (a 503 by default) or are held for
 `stall_s` seconds before being forwarded (a stalled server). Everything else is forwarded as is.
 """
 
@@ -52,7 +52,9 @@ class GcsFaultProxy:
 
             def _any(self) -> None:
                 body = self._read_body()
-                action = proxy._decide(f"{self.command} {self.path}")
+                # A multipart upload names its object in the body's metadata, not in the URL.
+                head = body[:2048].decode("latin-1")
+                action = proxy._decide(f"{self.command} {self.path} {head}")
                 if isinstance(action, int):
                     msg = (
                         b'{"error": {"code": %d, "message": "injected by the test proxy"}}' % action
@@ -102,7 +104,11 @@ class GcsFaultProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address) -> None:
+                pass  # a client that gave up on a stalled or failed request: nothing to report
+
+        self._server = Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)

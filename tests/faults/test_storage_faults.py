@@ -167,7 +167,7 @@ def test_gcs_503s_that_outlast_the_retries(tmp_path, prepared, orbax_gs_run_uri,
                       runtime={"storage_retry_s": 1})  # fmt: skip
     path = write_config(tmp_path / "g2.toml", cfg)
     # The metrics never get through again (gcsfs alone retries ~30 s before giving up).
-    uploads = r"^POST /upload/.*train\.jsonl\.parts"
+    uploads = r"^POST /upload/(?s:.*)train\.jsonl\.parts"
     proxy.fail(status=503, when=uploads, only=uploads)
     r = run_cli("local", str(path), env=_via(proxy), timeout=240)
     assert r.returncode == EXIT_STORAGE_FAULT, r.stderr

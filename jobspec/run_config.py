@@ -340,6 +340,11 @@ class RuntimeConfig(Section):
     host_loss_timeout_s: PositiveInt = Field(
         60, description="Seconds without a peer's heartbeat before the other hosts exit."
     )
+    storage_retry_s: PositiveFloat = Field(
+        120.0,
+        description="Seconds a failing gs:// call (5xx, 429, timeout, connection error) is retried "
+        "with backoff before the job ends with exit 45 (restartable).",
+    )
 
 
 class RunConfig(Section):

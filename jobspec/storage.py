@@ -5,11 +5,19 @@ Every module that touches files resolves them here, so a local path and gs:// be
 
 from __future__ import annotations
 
+import errno
 import os
+import posixpath
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import fsspec
 
-from jobspec.errors import StorageError
+from jobspec.errors import StorageError, StorageFaultError
 
 
 def configure_gcs_env() -> None:
@@ -63,3 +71,225 @@ def url_to_fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
         return fsspec.core.url_to_fs(uri, **kwargs)
     except (ValueError, ImportError) as e:
         raise StorageError(f"cannot open {uri}: {e}") from e
+
+
+T = TypeVar("T")
+
+# ---- storage faults: what is worth retrying, and what ends the job restartable ----------------
+
+# Errors of the environment, not of the user: a full or failing disk, a network or server hiccup.
+# ENOENT/EACCES/EROFS stay out: those are a wrong path or missing permission (exit 2).
+_FAULT_ERRNOS = {
+    errno.ENOSPC: "ENOSPC",
+    errno.EDQUOT: "EDQUOT",
+    errno.EIO: "EIO",
+    errno.ETIMEDOUT: "ETIMEDOUT",
+    errno.ECONNRESET: "ECONNRESET",
+    errno.ECONNABORTED: "ECONNABORTED",
+    errno.ECONNREFUSED: "ECONNREFUSED",
+    errno.EPIPE: "EPIPE",
+    errno.ENETUNREACH: "ENETUNREACH",
+    errno.EHOSTUNREACH: "EHOSTUNREACH",
+}
+# Disk faults: retried only briefly (space may be freed), then the job ends restartable.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO}
+_RETRY_HTTP = {408, 429, 500, 502, 503, 504}
+# What tensorstore/Orbax put in the text of the errors they re-raise (the type is lost there).
+_FAULT_TEXT = re.compile(
+    r"No space left on device|Disk quota exceeded|Input/output error|\bUNAVAILABLE\b|"
+    r"DEADLINE_EXCEEDED|Service Unavailable|HTTP (?:status|response) code:? (?:5\d\d|429|408)",
+)
+
+
+@dataclass(frozen=True)
+class Fault:
+    reason: str  # the original error, short: "No space left on device (ENOSPC)"
+    disk: bool  # a local disk fault (retried briefly) rather than a network/server one
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and len(out) < 8 and cur not in out:
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def _one_line(text: str, limit: int = 240) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def storage_fault(e: BaseException) -> Fault | None:
+    """The fault behind `e` (walking its causes) if storage failed under a correct run; None for
+    anything else (a missing file, no permission, a bug), which must not be retried or restarted."""
+    for x in _chain(e):
+        if isinstance(x, OSError) and x.errno in _FAULT_ERRNOS:
+            text = x.strerror or os.strerror(x.errno)
+            return Fault(f"{text} ({_FAULT_ERRNOS[x.errno]})", x.errno in _DISK_ERRNOS)
+        if isinstance(x, TimeoutError):  # asyncio's and fsspec's timeouts are this class too
+            return Fault(_one_line(f"timed out ({x})" if str(x) else "timed out"), False)
+        code = getattr(x, "code", None) if type(x).__name__ == "HttpError" else None
+        code = getattr(x, "status", code) if type(x).__name__ == "ClientResponseError" else code
+        if isinstance(code, int | str) and str(code).isdigit():
+            if int(code) in _RETRY_HTTP:
+                return Fault(_one_line(f"HTTP {code}: {x}"), False)
+            continue
+        mod = type(x).__module__
+        if mod.startswith("aiohttp") and isinstance(x, Exception):
+            # Connection refused/reset, server disconnected, payload cut: the network's fault.
+            return Fault(_one_line(f"{type(x).__name__}: {x}"), False)
+        if mod.startswith("requests") and type(x).__name__ in (
+            "ProxyError",  # gcsfs's translation of a 502
+            "ConnectionError",
+            "Timeout",
+            "ReadTimeout",
+            "ChunkedEncodingError",
+        ):
+            return Fault(_one_line(f"{type(x).__name__}: {x}" if str(x) else "HTTP 502"), False)
+        m = _FAULT_TEXT.search(str(x))
+        if m:
+            return _fault_from_text(str(x), m.group(0))
+    return None
+
+
+_DISK_TEXT = {
+    "No space left on device": "ENOSPC",
+    "Disk quota exceeded": "EDQUOT",
+    "Input/output error": "EIO",
+}
+_QUOTED_PATH = re.compile(r'"((?:/|gs://)[^"]+)"')
+
+
+def _fault_from_text(text: str, found: str) -> Fault:
+    """A fault only known from an error's text (tensorstore's, through Orbax): keep the cause and
+    the innermost path it names, not the whole nested message."""
+    if found in _DISK_TEXT:
+        paths = _QUOTED_PATH.findall(text)
+        where = f" writing {paths[-1]}" if paths else ""
+        return Fault(f"{found} ({_DISK_TEXT[found]}){where}", True)
+    return Fault(_one_line(text), False)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long storage calls are retried before a fault ends the job (exit 45, restartable).
+
+    gs:// (5xx, 429, timeouts, connection errors): exponential backoff with full jitter until
+    `total_s` (runtime.storage_retry_s) has passed; each try already includes gcsfs's own ~30 s
+    of retries. A local disk fault (ENOSPC, EIO): `disk_tries` tries `disk_wait_s` apart, since
+    freeing space takes a person, not a second.
+    """
+
+    total_s: float = 120.0
+    initial_s: float = 0.5
+    max_s: float = 20.0
+    disk_tries: int = 3
+    disk_wait_s: float = 0.5
+
+
+DEFAULT_RETRY = RetryPolicy()
+
+
+def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy = DEFAULT_RETRY) -> T:
+    """`fn()`, retried while it fails with a storage fault; once the retries are spent, the fault
+    is a StorageFaultError naming `what` (e.g. "write gs://b/run/x.json") and the original error.
+    Any other exception passes through untouched, for the caller to put in its own words."""
+    start = time.monotonic()
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return fn()
+        except Exception as e:
+            fault = storage_fault(e)
+            if fault is None:
+                raise
+            waited = time.monotonic() - start
+            if fault.disk:
+                again = tries < policy.disk_tries
+                delay = policy.disk_wait_s
+            else:
+                delay = random.uniform(0, min(policy.max_s, policy.initial_s * 2 ** (tries - 1)))
+                again = waited + delay < policy.total_s
+            if not again:
+                hint = (
+                    "free space on it (or fix the disk) and restart the job"
+                    if fault.disk
+                    else "the job is restartable once the storage answers again"
+                )
+                raise StorageFaultError(
+                    f"cannot {what}: {fault.reason} (after {tries} tries over {waited:.0f} s); "
+                    f"{hint}"
+                ) from e
+            time.sleep(delay)
+
+
+# ---- parted objects: appends on gs:// whose cost does not grow with the file ------------------
+
+# GCS objects cannot be appended to. A growing file (metrics JSONL, a host log) is kept as numbered
+# part objects `<name>.parts/000000<ext>`, …: the last part is rewritten while it is under
+# PART_BYTES, then a new one starts. Readers take a plain object of that name (if any) first,
+# then the parts in order. Locally, files stay plain appended files.
+PART_BYTES = 64 * 1024  # an append uploads 32 KiB on average; 1 MB of rows is 16 parts
+PARTS_SUFFIX = ".parts"
+_PART_NAME = re.compile(r"^(\d{6,})(\.[^/]*)?$")
+
+
+def parts_dir(path: str) -> str:
+    return path.rstrip("/") + PARTS_SUFFIX
+
+
+def part_path(path: str, index: int) -> str:
+    ext = posixpath.splitext(path)[1]
+    return f"{parts_dir(path)}/{index:06d}{ext}"
+
+
+def list_parts(fs: fsspec.AbstractFileSystem, path: str) -> list[tuple[int, str]]:
+    """(index, path) of every part of `path`, in order; none if it has no parts."""
+    try:
+        entries = fs.ls(parts_dir(path), detail=False)
+    except FileNotFoundError:
+        return []
+    found = []
+    for p in entries:
+        m = _PART_NAME.match(posixpath.basename(str(p).rstrip("/")))
+        if m:
+            found.append((int(m.group(1)), str(p)))
+    return sorted(found)
+
+
+def parted_exists(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    return bool(fs.exists(path)) or bool(list_parts(fs, path))
+
+
+def read_parted(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
+    """The whole content of `path`: a plain object of that name, then its parts in order.
+    FileNotFoundError if there is neither."""
+    plain = fs.exists(path) and not fs.isdir(path)
+    parts = [p for _, p in list_parts(fs, path)]
+    if not plain and not parts:
+        raise FileNotFoundError(path)
+    chunks = [bytes(fs.cat_file(path))] if plain else []
+    if parts:
+        got = fs.cat(parts) if len(parts) > 1 else {parts[0]: fs.cat_file(parts[0])}
+        # fs.cat of several paths keys by path (fetched concurrently); keep the parts' order.
+        by_name = {str(k).rstrip("/").split("://", 1)[-1]: v for k, v in got.items()}
+        chunks += [bytes(by_name.get(p.split("://", 1)[-1], b"")) for p in parts]
+    return b"".join(chunks)
+
+
+def read_parted_tail(fs: fsspec.AbstractFileSystem, path: str, nbytes: int) -> bytes:
+    """About the last `nbytes` of `path` (whole parts, or the plain file's end); b"" if absent."""
+    parts = list_parts(fs, path)
+    out = b""
+    for _, p in reversed(parts):
+        out = bytes(fs.cat_file(p)) + out
+        if len(out) >= nbytes:
+            return out
+    if fs.exists(path) and not fs.isdir(path):
+        size = fs.size(path)
+        start = max(0, size - (nbytes - len(out)))
+        out = bytes(fs.cat_file(path, start=start)) + out
+    return out

@@ -336,7 +336,7 @@ def saved_logs(
 ) -> Iterator[str]:
     """Lines of the latest attempt's host logs that every runtime host tees to
     `<output_uri>/<run_id>/logs/attempt-<n>/host-<i>.log`."""
-    from jobspec.storage import join, url_to_fs
+    from jobspec.storage import PARTS_SUFFIX, join, read_parted, url_to_fs
     from k8s.client import K8sError
 
     root = join(output_uri, run_id, "logs")
@@ -349,15 +349,19 @@ def saved_logs(
     if not attempts:
         raise K8sError(f"run {run_id} has no pods now and no saved logs under {root}")
     _, latest = attempts[-1]
+    # On object stores a host log is parts, `host-<i>.log.parts/000000.log`, …: read in order.
     files = sorted(
-        (int(n), p)
-        for p in fs.ls(latest, detail=False)
-        if (n := p.rsplit("/host-", 1)[-1].removesuffix(".log")).isdigit()
+        {
+            (int(n), f"{latest.rstrip('/')}/host-{n}.log")
+            for p in fs.ls(latest, detail=False)
+            if (n := p.rstrip("/").rsplit("/host-", 1)[-1].removesuffix(PARTS_SUFFIX))
+            and (n := n.removesuffix(".log")).isdigit()
+        }
     )
     for h, p in files:
         if host is not None and h != host:
             continue
-        lines = fs.cat_file(p).decode(errors="replace").splitlines()
+        lines = read_parted(fs, p).decode(errors="replace").splitlines()
         for line in tail_lines(lines, tail):
             yield f"[host {h}] {line}"
 

@@ -15,13 +15,10 @@ _TAIL_BYTES = 64 * 1024  # enough for the last few JSONL rows of any metrics fil
 
 
 def _last_row(fs: Any, path: str) -> dict[str, Any] | None:
-    if not fs.exists(path):
-        return None
-    size = fs.size(path)
-    with fs.open(path, "rb") as f:
-        if size > _TAIL_BYTES:
-            f.seek(size - _TAIL_BYTES)
-        lines = f.read().decode(errors="replace").splitlines()
+    from jobspec.storage import read_parted_tail
+
+    # A plain file, or on gs:// the parts `<name>.parts/000000.jsonl`, … the runtime appends.
+    lines = read_parted_tail(fs, path, _TAIL_BYTES).decode(errors="replace").splitlines()
     for line in reversed(lines):
         try:
             row = json.loads(line)

@@ -47,15 +47,20 @@ def test_run_resume_and_inspect_on_gcs(tmp_path, corpus_dir, orbax_gs_run_uri):
     assert rep["latest_checkpoint"] == 20 and rep["checkpoints"][-1] == 20
     assert rep["best_eval"]["name"] == "val"
 
-    from jobspec.storage import url_to_fs
+    from jobspec.storage import list_parts, read_parted, url_to_fs
 
     fs, root = url_to_fs(f"{runs}/gcs")
     fs.invalidate_cache()
     for rel in ("manifest.json", "config/source.toml", "config/resolved.json", "diagnostics/runtime.json",
-                "metrics/train.jsonl", "metrics/eval.jsonl", "events.jsonl", "summaries/final.json",
-                "checkpoints/index.json", "checkpoints/20/commit_success.txt"):  # fmt: skip
+                "summaries/final.json", "checkpoints/index.json",
+                "checkpoints/20/commit_success.txt"):  # fmt: skip
         assert fs.exists(f"{root}/{rel}"), rel
-    rows = [json.loads(x) for x in fs.cat_file(f"{root}/metrics/train.jsonl").decode().splitlines()]
+    # JSONL on gs:// is appended as bounded parts (no object is rewritten whole per append).
+    for rel in ("metrics/train.jsonl", "metrics/eval.jsonl", "events.jsonl"):
+        assert list_parts(fs, f"{root}/{rel}"), rel
+        assert not fs.exists(f"{root}/{rel}"), rel
+    text = read_parted(fs, f"{root}/metrics/train.jsonl").decode()
+    rows = [json.loads(x) for x in text.splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 21))
 
     ev = run_cli("eval", "checkpoint", f"{runs}/gcs", "--checkpoint", "latest", "--json")

@@ -162,3 +162,113 @@ def test_gs_reads_see_writes_from_other_clients(gs_run_uri: str) -> None:
     assert a.listdir("x") == ["one.json", "two.json"]
     other.rm_file(a._path("x/one.json"))
     assert not a.exists("x/one.json")
+
+
+def test_torn_last_line_is_dropped_then_cut_but_a_torn_middle_is_corruption(tmp_path, capsys):
+    store = ArtifactStore(str(tmp_path / "run"))
+    store.append_jsonl("events.jsonl", [{"event": "start"}, {"event": "first_step"}])
+    path = tmp_path / "run" / "events.jsonl"
+    with open(path, "ab") as f:
+        f.write(b'{"event": "chec')  # a crash in the middle of an append
+    assert store.read_jsonl("events.jsonl") == [{"event": "start"}, {"event": "first_step"}]
+    assert "last line of" in capsys.readouterr().err and path.read_bytes().endswith(b"chec")
+    store.append_jsonl("events.jsonl", [{"event": "resume"}])  # cuts the torn line off first
+    assert "cut it off the file" in capsys.readouterr().err
+    assert [r["event"] for r in store.read_jsonl("events.jsonl")] == [
+        "start",
+        "first_step",
+        "resume",
+    ]
+    path.write_bytes(b'{"event": "start"}\n{"ev\n{"event": "resume"}\n')
+    with pytest.raises(StorageError, match="line 2 is not valid JSON .* not the last line"):
+        store.read_jsonl("events.jsonl")
+
+
+@pytest.mark.gcs
+def test_gs_jsonl_is_appended_in_bounded_parts(gs_run_uri: str, capsys) -> None:
+    from jobspec.storage import list_parts
+
+    store = ArtifactStore(gs_run_uri, part_bytes=200)
+    for step in range(1, 31):
+        store.append_jsonl("metrics/train.jsonl", [{"step": step, "loss": 1.0 / step}])
+    parts = list_parts(store.fs, store._path("metrics/train.jsonl"))
+    sizes = [len(store.fs.cat_file(p)) for _, p in parts]
+    assert len(parts) >= 5 and max(sizes) <= 200 + 40  # bounded: one row over at most
+    assert not store.fs.exists(store._path("metrics/train.jsonl"))  # no whole-object rewrite
+    # Another process (a resumed run) reads the parts back in order and cuts after step 12.
+    resumed = ArtifactStore(gs_run_uri, part_bytes=200)
+    assert [r["step"] for r in resumed.read_jsonl("metrics/train.jsonl")] == list(range(1, 31))
+    assert resumed.truncate_jsonl_after("metrics/train.jsonl", "step", 12) == 18
+    resumed.append_jsonl("metrics/train.jsonl", [{"step": 13, "loss": 0.5}])
+    assert [r["step"] for r in ArtifactStore(gs_run_uri).read_jsonl("metrics/train.jsonl")] == [
+        *range(1, 14)
+    ]
+    # A torn tail part (a broken upload) is dropped on read and cut before the next append.
+    _, last = list_parts(store.fs, store._path("metrics/train.jsonl"))[-1]
+    store.fs.pipe_file(last, store.fs.cat_file(last) + b'{"step": 14, "lo')
+    fresh = ArtifactStore(gs_run_uri)
+    assert fresh.read_jsonl("metrics/train.jsonl")[-1]["step"] == 13
+    fresh.append_jsonl("metrics/train.jsonl", [{"step": 14, "loss": 0.4}])
+    assert [r["step"] for r in fresh.read_jsonl("metrics/train.jsonl")][-2:] == [13, 14]
+    assert "cut it off the file" in capsys.readouterr().err
+
+
+@pytest.mark.gcs
+def test_gs_host_log_is_uploaded_in_parts_and_read_in_order(gcs_bucket, monkeypatch) -> None:
+    import runtime.host.hostlog as hostlog
+    from jobspec.storage import list_parts
+    from k8s.backend import saved_logs
+
+    monkeypatch.setattr(hostlog, "PART_BYTES", 100)
+    root = f"{gcs_bucket}/logs-{os.getpid()}-{id(monkeypatch)}"
+    tee = hostlog.HostLogTee(hostlog.log_uri(f"{root}/run1", 0, 1))  # not started: no fd games
+    lines = [f"step {i} | loss {1.0 / (i + 1):.4f}\n".encode() for i in range(40)]
+    for k in range(0, 40, 3):
+        with tee._lock:
+            tee._buf.extend(b"".join(lines[k : k + 3]))
+        tee._flush_remote()
+    parts = list_parts(tee.fs, tee.path)
+    assert len(parts) > 5 and len(tee._buf) < 100 + 80  # memory holds the current part only
+    got = list(saved_logs(root, "run1", host=None, tail=None))
+    assert got == [f"[host 1] {ln.decode().rstrip()}" for ln in lines]
+
+
+def test_with_retries_retries_transient_faults_only(monkeypatch) -> None:
+    from gcsfs.retry import HttpError
+
+    import jobspec.storage as storage
+    from jobspec.errors import StorageFaultError
+
+    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 4:
+            raise HttpError({"code": 503, "message": "backend unavailable"})
+        return "ok"
+
+    assert storage.with_retries(flaky, "write x") == "ok" and len(calls) == 4
+    with pytest.raises(FileNotFoundError):  # not a fault: no retry, the caller words it
+        storage.with_retries(lambda: (_ for _ in ()).throw(FileNotFoundError("x")), "read x")
+
+    def full() -> None:
+        calls.append(1)
+        raise OSError(28, "No space left on device")
+
+    calls.clear()
+    policy = storage.RetryPolicy(disk_tries=3, disk_wait_s=0)
+    with pytest.raises(
+        StorageFaultError, match=r"cannot write /d/x: No space left on device \(ENOSPC\)"
+    ):
+        storage.with_retries(full, "write /d/x", policy)
+    assert len(calls) == 3
+    clock = iter(range(0, 1000, 7))  # every try seems to take 7 s: the budget runs out
+    monkeypatch.setattr(storage.time, "monotonic", lambda: next(clock))
+
+    def down() -> None:
+        raise HttpError({"code": 503, "message": "down"})
+
+    with pytest.raises(StorageFaultError, match="HTTP 503.*restartable") as e:
+        storage.with_retries(down, "write gs://b/x", storage.RetryPolicy(total_s=30))
+    assert e.value.exit_code == 45

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from jobspec.storage import is_remote, join, url_to_fs
+from jobspec.storage import PART_BYTES, is_remote, join, part_path, url_to_fs
 
 FLUSH_EVERY_S = 5.0
 _active: list[HostLogTee] = []
@@ -90,19 +90,29 @@ class HostLogTee:
             if due:  # outside the lock: the other pump keeps copying output meanwhile
                 self._flush_remote()
 
+    _part = 0  # the log part being written on an object store (see _flush_remote)
+
     def _flush_remote(self) -> None:
-        """Upload the whole buffer so far. The snapshot is taken under the upload lock, so a
-        later upload never holds less than an earlier one; the buffer only grows."""
+        """Upload what is new as the log's tail part, `<log>.parts/000000.log`, … (jobspec.storage
+        parted objects, which `launch logs` reads back in order): the part is rewritten while
+        under PART_BYTES, then the next one starts and the finished bytes leave memory, so an
+        upload costs at most one part however long the run. The snapshot is taken under the
+        upload lock, so a later upload never holds less than an earlier one."""
         with self._upload_lock:
             with self._lock:
-                data = bytes(self._buf)
+                data = bytes(self._buf)  # the current part's bytes only
             if len(data) == self._uploaded:
                 return  # nothing new since the last upload
             try:
-                self.fs.pipe_file(self.path, data)
-                self._uploaded = len(data)
+                self.fs.pipe_file(part_path(self.path, self._part), data)
             except Exception:  # a log upload must never take the training run down with it
-                pass
+                return  # the bytes stay buffered: the next flush uploads them
+            self._uploaded = len(data)
+            if len(data) >= PART_BYTES:
+                with self._lock:
+                    del self._buf[: len(data)]
+                self._part += 1
+                self._uploaded = 0
 
     def close(self) -> None:
         """Put the original fds back, drain the pipes, write the rest of the log."""

@@ -234,6 +234,7 @@ class RunArtifacts:
                 step=step,
                 error=msg,
                 type=type(err).__name__,
+                exit_code=getattr(err, "exit_code", None),
                 traceback=traceback.format_exception(err)[-3:],
             )
             self._write_manifest(status="failed", steps=step)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jobspec.errors import CheckpointError, StorageError
-from jobspec.storage import configure_gcs_env
+from jobspec.errors import CheckpointError, StorageError, StorageFaultError
+from jobspec.storage import configure_gcs_env, storage_fault
 from runtime.run.meta import CheckpointMeta
 from runtime.run.store import ArtifactStore
 
@@ -152,6 +153,7 @@ class CheckpointService:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot open checkpoints under {self.directory}: {e}") from e
         self._pending: _Pending | None = None
+        self._failed_step: int | None = None  # the step whose save failed, if one did
         written = load_index(store)
         self._entries = reconciled_entries(store, written)
         if self.read_index() != written:
@@ -290,10 +292,8 @@ class CheckpointService:
         try:
             # force: the train loop decides when to save; Orbax's own interval policy must not.
             self._mgr.save(step, args=args, force=True)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(
-                f"cannot save checkpoint {step} under {self.directory}: {e}"
-            ) from e
+        except Exception as e:
+            self._raise_save_error(step, e, "cannot save")
         self._pending = _Pending(step, entry)
         self.poll()  # a synchronous save is committed already
         return True
@@ -305,12 +305,18 @@ class CheckpointService:
         """
         if self._pending is None or self._mgr.is_saving_in_progress():
             return None
+        step = self._pending.step
+        if not self._committed(step):
+            # The background save ended without a commit: its own error (ENOSPC, a 503) is
+            # what the user must see, so fetch it before saying "did not commit".
+            self._wait_orbax()
+            if not self._committed(step):
+                self._pending, self._failed_step = None, step
+                raise CheckpointError(
+                    f"checkpoint {step} under {self.directory} did not commit (the Orbax log "
+                    "above has the cause); check the storage and restart from the latest checkpoint"
+                )
         pending, self._pending = self._pending, None
-        if not self._committed(pending.step):
-            raise CheckpointError(
-                f"checkpoint {pending.step} under {self.directory} did not commit (the Orbax "
-                "log above has the cause); check the storage and restart from the latest checkpoint"
-            )
         self._entries[pending.step] = pending.entry
         self._write_index()
         return pending.step
@@ -319,12 +325,36 @@ class CheckpointService:
         try:
             self._mgr.wait_until_finished()
         except Exception as e:  # whatever the background save raised, re-raised here
-            step = self._pending.step if self._pending else "?"
+            step = self._pending.step if self._pending else self._failed_step
             self._pending = None
+            self._raise_save_error(step, e, "failed to save")
+
+    def _raise_save_error(self, step: int | None, e: Exception, what: str) -> None:
+        """Say why a save failed in one sentence: a storage fault (ENOSPC, EIO, gs:// 5xx or
+        timeouts) ends the job restartable; anything else is a checkpoint error. The step is
+        remembered: Orbax re-raises the same background error on every later wait."""
+        self._failed_step = step
+        name = "?" if step is None else step
+        if isinstance(e, StorageFaultError):
+            raise e
+        fault = storage_fault(e)
+        if fault is not None:
+            hint = (
+                "free space (or fix the disk) and restart: the run resumes from the latest "
+                "committed checkpoint"
+                if fault.disk
+                else "restart once the storage answers again: the run resumes from the latest "
+                "committed checkpoint"
+            )
+            raise StorageFaultError(
+                f"checkpoint {name} under {self.directory} {what}: {fault.reason}; {hint}"
+            ) from e
+        if isinstance(e, OSError | ValueError | StorageError):
             raise CheckpointError(
-                f"checkpoint {step} under {self.directory} failed to save ({e}); check the "
+                f"checkpoint {name} under {self.directory} {what} ({e}); check the "
                 "storage and restart from the latest checkpoint"
             ) from e
+        raise e
 
     def _settle(self) -> None:
         # Every host reaches this together, so the deletes' barriers line up.
@@ -367,9 +397,17 @@ class CheckpointService:
         if not self.read_only:
             self._settle()
 
-    def close(self) -> None:
-        self.wait()
-        self._mgr.close()
+    def close(self, *, after_failure: bool = False) -> None:
+        """Finish started saves and release Orbax. After a failure (the caller's, or a save
+        that already failed) nothing here may hide the first error: it is logged instead."""
+        quiet = after_failure or self._failed_step is not None
+        for part in (self.wait, self._mgr.close):
+            try:
+                part()
+            except Exception as e:
+                if not quiet:
+                    raise
+                log.warning("closing checkpoints under %s after a failure: %s", self.directory, e)
 
     # ---- restore -----------------------------------------------------------------------------
 
@@ -413,3 +451,48 @@ def _invalidate_epath_cache(uri: str) -> None:
     fs = getattr(epath.Path(uri), "_backend", None)
     if fs is not None and hasattr(fs, "fs"):
         fs.fs(uri).invalidate_cache()
+
+
+class _OneLineOrbaxErrors(logging.Filter):
+    """Orbax logs each failed background save from every thread it ran on, each with a full
+    traceback (hundreds of lines for one full disk); the save's error reaches the user once,
+    in one sentence, from `_raise_save_error`. Keep Orbax's lines, one line each."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # Orbax's own lines start "[process=N]" (its caller frame is not always reported).
+        orbax = "orbax" in (record.pathname or "") or str(record.msg).startswith("[process=")
+        if record.exc_info and orbax:
+            record.msg = " ".join(record.getMessage().split())[:300]
+            record.args = None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _event_loop_closed_noise(hook):
+    """tensorstore's callbacks into an Orbax event loop that a failed save already closed print
+    `RuntimeError: Event loop is closed` through sys.excepthook; that is noise after the real
+    error, which the run reports itself. Everything else goes to the previous hook."""
+
+    def quiet(exc_type, exc, tb) -> None:
+        if exc_type is RuntimeError and str(exc) == "Event loop is closed":
+            return
+        hook(exc_type, exc, tb)
+
+    quiet.__jaxjob_quiet__ = True  # type: ignore[attr-defined]
+    return quiet
+
+
+class _QuietOrbaxLeftovers(logging.Filter):
+    """After a failed save, asyncio reports each of Orbax's unawaited write futures as "exception
+    was never retrieved", with a traceback; the save error itself is reported once, by us."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        left = "exception was never retrieved" in str(record.msg)
+        return not (left and exc is not None and storage_fault(exc) is not None)
+
+
+logging.getLogger("absl").addFilter(_OneLineOrbaxErrors())
+logging.getLogger("asyncio").addFilter(_QuietOrbaxLeftovers())
+if not getattr(sys.excepthook, "__jaxjob_quiet__", False):
+    sys.excepthook = _event_loop_closed_noise(sys.excepthook)

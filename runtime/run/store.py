@@ -4,6 +4,15 @@ Every file is complete or absent. Locally a file is written to `<name>.tmp-<pid>
 renamed into place; on gs:// a single-object upload is already atomic. Host-global files are
 written by the writer host only (the check lives here, not at call sites); per-host files go
 under `hosts/<process_index>/` and any host may write them.
+
+JSONL files are appended: locally in place; on gs:// (no append) as bounded parts
+`<name>.parts/000000.jsonl`, … (jobspec.storage), so an append costs at most one part's upload
+however long the run. Storage faults (ENOSPC, EIO, gs:// 5xx, timeouts) are retried
+(jobspec.storage.with_retries) and then end the job restartable (StorageFaultError, exit 45);
+a missing bucket or permission stays StorageError (exit 2).
+
+A torn last JSONL line (a crash mid-append) is dropped with a warning by readers and cut off the
+file by the writer before it appends again; a bad line anywhere else is corruption.
 """
 
 from __future__ import annotations
@@ -11,10 +20,27 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-from typing import Any
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from jobspec.errors import StorageError
-from jobspec.storage import is_remote, join, url_to_fs
+from jobspec.errors import StorageError, StorageFaultError
+from jobspec.storage import (
+    DEFAULT_RETRY,
+    PART_BYTES,
+    RetryPolicy,
+    is_remote,
+    join,
+    list_parts,
+    part_path,
+    parts_dir,
+    read_parted,
+    url_to_fs,
+    with_retries,
+)
+
+T = TypeVar("T")
 
 
 class NotWriterError(RuntimeError):
@@ -24,16 +50,25 @@ class NotWriterError(RuntimeError):
 class ArtifactStore:
     """Files under one run directory, `<output_uri>/<run_id>`, addressed by relative paths."""
 
-    def __init__(self, root_uri: str, *, process_index: int = 0, writer_index: int = 0) -> None:
+    def __init__(
+        self,
+        root_uri: str,
+        *,
+        process_index: int = 0,
+        writer_index: int = 0,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        part_bytes: int = PART_BYTES,
+    ) -> None:
         self.remote = is_remote(root_uri)
         self.fs, self._root = url_to_fs(root_uri)
         # Locally the resolved absolute path is the URI; on gs:// keep the scheme callers gave.
         self.root_uri = root_uri.rstrip("/") if self.remote else self._root.rstrip("/")
         self.process_index = process_index
         self.writer_index = writer_index
-        # Rows of each JSONL file this process has read or written, so gs:// appends (which must
-        # rewrite the object) do not re-read it every time.
-        self._jsonl_rows: dict[str, list[dict]] = {}
+        self.retry = retry
+        self.part_bytes = part_bytes
+        # gs:// JSONL appends: the tail part of each file this process appends to.
+        self._tails: dict[str, _Tail] = {}
 
     @property
     def is_writer(self) -> bool:
@@ -81,26 +116,44 @@ class ArtifactStore:
         if not rows:
             return
         lines = b"".join(_dump_jsonl_row(self.uri(rel), r) for r in rows)
-        existing = self._cached_rows(rel)
         if self.remote:
-            # No append on object stores: rewrite the whole object from the rows held in memory.
-            self._put(rel, b"".join(_dump_jsonl_row(self.uri(rel), r) for r in existing) + lines)
+            self._append_parts(rel, lines)
         else:
             self._append_local(rel, lines)
-        existing.extend(json.loads(line) for line in lines.splitlines())
 
     def truncate_jsonl_after(self, rel: str, key: str, value: int | float) -> int:
         """Drop rows whose `key` is greater than `value` (rows logged after the checkpoint a run
-        resumes from would otherwise appear twice); returns how many rows were dropped."""
+        resumes from would otherwise appear twice), and a torn last line; returns how many rows
+        were dropped."""
         self._require_writer(rel)
+        return self._filter_jsonl(rel, lambda r: not (key in r and r[key] > value))
+
+    def repair_jsonl(self, rel: str) -> None:
+        """Cut a torn last line off a JSONL file (with a warning) before this run appends to it."""
+        self._require_writer(rel)
+        self._filter_jsonl(rel, lambda r: True)
+
+    def _filter_jsonl(self, rel: str, keep: Callable[[dict], bool]) -> int:
         if not self.exists(rel):
             return 0
-        rows = self._cached_rows(rel)
-        kept = [r for r in rows if not (key in r and r[key] > value)]
-        dropped = len(rows) - len(kept)
-        if dropped:
-            self._put(rel, b"".join(_dump_jsonl_row(self.uri(rel), r) for r in kept))
-            self._jsonl_rows[rel] = kept
+        self._tails.pop(rel, None)
+        segments = self._segments(rel)
+        dropped = 0
+        # From the last segment back: a crash part-way leaves later rows dropped and earlier ones
+        # kept, never a duplicate or a reordering, and the next resume finishes the job.
+        for i in reversed(range(len(segments))):
+            path, rows, torn = segments[i]
+            kept = [r for r in rows if keep(r)]
+            dropped += len(rows) - len(kept)
+            if len(kept) == len(rows) and not torn:
+                continue
+            if torn:
+                self._warn_torn(rel, repaired=True)
+            data = b"".join(_dump_jsonl_row(self.uri(rel), r) for r in kept)
+            if kept or not self.remote:
+                self._put_path(path, data, rel)
+            else:
+                self._io(lambda p=path: self.fs.rm_file(p), f"delete {self.uri(rel)} part")
         return dropped
 
     def delete(self, rel: str, *, recursive: bool = False) -> None:
@@ -108,47 +161,106 @@ class ArtifactStore:
         self._require_writer(rel)
         path = self._path(rel)
         self._fresh()
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=recursive)
+        if self._io(lambda: self.fs.exists(path), f"check {self.uri(rel)}"):
+            self._io(lambda: self.fs.rm(path, recursive=recursive), f"delete {self.uri(rel)}")
 
-    def _cached_rows(self, rel: str) -> list[dict]:
-        if rel not in self._jsonl_rows:
-            self._jsonl_rows[rel] = self.read_jsonl(rel) if self.exists(rel) else []
-        return self._jsonl_rows[rel]
-
-    def _put(self, rel: str, data: bytes) -> None:
-        path = self._path(rel)
+    def _io(self, fn: Callable[[], T], what: str) -> T:
+        """A storage call, retried on faults (StorageFaultError once spent); other OSErrors are
+        the user's storage (StorageError)."""
         try:
-            if self.remote:
-                self.fs.pipe_file(path, data)
-            else:
-                _atomic_write_local(path, data)
+            return with_retries(fn, what, self.retry)
+        except StorageFaultError:
+            raise
         except OSError as e:
             raise StorageError(
-                f"cannot write {self.uri(rel)}: {_reason(e)}; check that run.output_uri is writable"
+                f"cannot {what}: {_reason(e)}; check that run.output_uri is writable"
             ) from e
+
+    def _put(self, rel: str, data: bytes) -> None:
+        self._put_path(self._path(rel), data, rel)
+
+    def _put_path(self, path: str, data: bytes, rel: str) -> None:
+        if self.remote:
+            self._io(lambda: self.fs.pipe_file(path, data), f"write {self.uri(rel)}")
+        else:
+            self._io(lambda: _atomic_write_local(path, data), f"write {self.uri(rel)}")
+
+    def _append_parts(self, rel: str, lines: bytes) -> None:
+        """gs://: rewrite the tail part with the new lines while it stays under part_bytes,
+        else start the next part; the state moves on only once the upload succeeded."""
+        path = self._path(rel)
+        tail = self._tails.get(rel)
+        if tail is None:
+            tail = self._tails[rel] = self._load_tail(rel)
+        index, data = tail.index, tail.data + lines
+        if tail.data and len(data) > self.part_bytes:
+            index, data = index + 1, lines
+        self._put_path(part_path(path, index), data, rel)
+        self._tails[rel] = _Tail(index, data)
+
+    def _load_tail(self, rel: str) -> _Tail:
+        path = self._path(rel)
+        self._fresh()
+        parts = self._io(lambda: list_parts(self.fs, path), f"list {self.uri(rel)}")
+        if not parts:
+            return _Tail(0, b"")
+        index, last = parts[-1]
+        data = self._io(lambda: bytes(self.fs.cat_file(last)), f"read {self.uri(rel)}")
+        rows, torn = _parse_jsonl(self.uri(rel), data, final=True)
+        if torn:  # never append after half a line: it would join the next row
+            self._warn_torn(rel, repaired=True)
+            data = b"".join(_dump_jsonl_row(self.uri(rel), r) for r in rows)
+        return _Tail(index, data)
 
     def _append_local(self, rel: str, data: bytes) -> None:
         # One write() of whole lines, then fsync; a short write is cut back so no half line stays.
         path = self._path(rel)
-        try:
+
+        def append() -> None:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 start = os.fstat(fd).st_size
+                if start and _cut_torn_tail(fd, start):
+                    self._warn_torn(rel, repaired=True)
+                    start = os.fstat(fd).st_size
                 try:
-                    if os.write(fd, data) != len(data):
-                        raise OSError(f"short write to {path}")
+                    view = memoryview(data)
+                    while view:  # a short write means the disk is (nearly) full: the next
+                        view = view[os.write(fd, view) :]  # write() raises the real ENOSPC
                     os.fsync(fd)
                 except BaseException:
                     os.ftruncate(fd, start)
                     raise
             finally:
                 os.close(fd)
-        except OSError as e:
-            raise StorageError(
-                f"cannot append to {self.uri(rel)}: {_reason(e)}; check that run.output_uri is writable"
-            ) from e
+
+        self._io(append, f"append to {self.uri(rel)}")
+
+    def _warn_torn(self, rel: str, *, repaired: bool) -> None:
+        what = "cut it off the file" if repaired else "ignoring it"
+        print(
+            f"warning: the last line of {self.uri(rel)} was torn (a write cut short by a crash); "
+            f"{what}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _segments(self, rel: str) -> list[tuple[str, list[dict], bool]]:
+        """(path, rows, torn last line) of a JSONL file's plain object and each part, in order."""
+        path = self._path(rel)
+        self._fresh()
+        plain = self._io(lambda: self.fs.isfile(path), f"check {self.uri(rel)}")
+        paths = [path] if plain else []
+        if self.remote:
+            parts = self._io(lambda: list_parts(self.fs, path), f"list {self.uri(rel)}")
+            paths += [p for _, p in parts]
+        out = []
+        for k, p in enumerate(paths):
+            data = self._io(lambda p=p: bytes(self.fs.cat_file(p)), f"read {self.uri(rel)}")
+            rows, torn = _parse_jsonl(self.uri(rel), data, final=k == len(paths) - 1)
+            out.append((p, rows, torn))
+        return out
 
     # ---- reads (any host) --------------------------------------------------------------------
 
@@ -159,18 +271,28 @@ class ArtifactStore:
             self.fs.invalidate_cache()
 
     def exists(self, rel: str = "") -> bool:
+        """Whether `rel` exists (for a JSONL file on gs://, as a plain object or as parts)."""
         self._fresh()
-        return bool(self.fs.exists(self._path(rel)))
+        path = self._path(rel)
+        if self._io(lambda: self.fs.exists(path), f"check {self.uri(rel)}"):
+            return True
+        if self.remote and rel.endswith(".jsonl"):
+            return self._io(lambda: self.fs.exists(parts_dir(path)), f"check {self.uri(rel)}")
+        return False
 
     def isdir(self, rel: str) -> bool:
         self._fresh()
-        return bool(self.fs.isdir(self._path(rel)))
+        path = self._path(rel)
+        return bool(self._io(lambda: self.fs.isdir(path), f"check {self.uri(rel)}"))
 
     def listdir(self, rel: str = "") -> list[str]:
         """Sorted names directly under `rel`; an absent directory lists as empty."""
         self._fresh()
+        path = self._path(rel)
         try:
-            entries = self.fs.ls(self._path(rel), detail=False)
+            entries = with_retries(
+                lambda: self.fs.ls(path, detail=False), f"list {self.uri(rel)}", self.retry
+            )
         except FileNotFoundError:
             return []
         base = self._path(rel).rstrip("/")
@@ -180,12 +302,17 @@ class ArtifactStore:
 
     def read_bytes(self, rel: str) -> bytes:
         self._fresh()
+        return self._read(self._path(rel), rel, lambda p: bytes(self.fs.cat_file(p)))
+
+    def _read(self, path: str, rel: str, fn: Callable[[str], bytes]) -> bytes:
         try:
-            return bytes(self.fs.cat_file(self._path(rel)))
+            return with_retries(lambda: fn(path), f"read {self.uri(rel)}", self.retry)
         except FileNotFoundError as e:
             raise StorageError(f"{self.uri(rel)} does not exist; check the run directory") from e
         except IsADirectoryError as e:
             raise StorageError(f"{self.uri(rel)} is a directory, not a file") from e
+        except StorageFaultError:
+            raise
         except OSError as e:
             raise StorageError(f"cannot read {self.uri(rel)}: {_reason(e)}") from e
 
@@ -199,15 +326,16 @@ class ArtifactStore:
             raise StorageError(f"{self.uri(rel)} is not valid JSON ({e}); it may be corrupt") from e
 
     def read_jsonl(self, rel: str) -> list[dict]:
-        text = self.read_text(rel)
-        rows: list[dict] = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise StorageError(f"{self.uri(rel)} line {n} is not valid JSON ({e})") from e
+        """Every row of a JSONL file (on gs://, its plain object and parts in order). A torn last
+        line is left out with a warning (the writer cuts it off before appending again)."""
+        self._fresh()
+        if self.remote:
+            data = self._read(self._path(rel), rel, lambda p: read_parted(self.fs, p))
+        else:
+            data = self.read_bytes(rel)
+        rows, torn = _parse_jsonl(self.uri(rel), data, final=True)
+        if torn:
+            self._warn_torn(rel, repaired=False)
         return rows
 
     # ---- start-up check ----------------------------------------------------------------------
@@ -223,12 +351,16 @@ class ArtifactStore:
                     "choose a writable run.output_uri"
                 ) from e
         probe = self._path(f".write-probe-{self.process_index}-{os.getpid()}")
-        try:
+
+        def write_probe() -> None:
             if self.remote:
                 self.fs.pipe_file(probe, b"probe")
             else:
                 _atomic_write_local(probe, b"probe")
             self.fs.rm_file(probe)
+
+        try:
+            with_retries(write_probe, f"write a probe file under {self.root_uri}", self.retry)
         except FileNotFoundError as e:
             if self.remote:
                 # An upload answers 404 only when the bucket itself is missing.
@@ -242,6 +374,51 @@ class ArtifactStore:
                 f"output directory {self.root_uri} is not writable ({_reason(e)}); "
                 "fix its permissions or choose another run.output_uri"
             ) from e
+
+
+@dataclass(frozen=True)
+class _Tail:
+    index: int  # the part number
+    data: bytes  # what that part holds now
+
+
+def _parse_jsonl(uri: str, data: bytes, *, final: bool) -> tuple[list[dict], bool]:
+    """(rows, whether a torn last line was left out). A bad last line of the file's final
+    segment is a write a crash cut short; a bad line anywhere else is corruption."""
+    lines = data.split(b"\n")
+    rows: list[dict] = []
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            if final and i == last:
+                return rows, True
+            raise StorageError(
+                f"{uri} line {i + 1} is not valid JSON ({e}) and is not the last line, so it is "
+                "corruption rather than a torn write; restore the file or remove that line"
+            ) from e
+    return rows, False
+
+
+def _cut_torn_tail(fd: int, size: int) -> bool:
+    """Truncate a local file after its last newline when it does not end in one (a torn
+    append); True if it did. Reads backwards in small blocks: appends stay cheap."""
+    if os.pread(fd, 1, size - 1) == b"\n":
+        return False
+    end = size
+    while end > 0:
+        start = max(0, end - 65536)
+        block = os.pread(fd, end - start, start)
+        nl = block.rfind(b"\n")
+        if nl >= 0:
+            os.ftruncate(fd, start + nl + 1)
+            return True
+        end = start
+    os.ftruncate(fd, 0)
+    return True
 
 
 def _dump_json(uri: str, obj: Any) -> bytes:

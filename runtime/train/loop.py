@@ -18,7 +18,7 @@ from jobspec.errors import CheckpointError, ConfigError
 from jobspec.exit_codes import EXIT_RESTARTABLE
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
-from jobspec.storage import configure_gcs_env, join
+from jobspec.storage import RetryPolicy, configure_gcs_env, join
 from runtime.data.loader import TokenBatches, check_for_run, train_batches
 from runtime.data.prepare import ensure_manifest
 from runtime.host import boot
@@ -85,6 +85,7 @@ def _open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[Ar
         join(cfg.run.output_uri, cfg.run.id),
         process_index=jax.process_index(),
         writer_index=writer_index,
+        retry=RetryPolicy(total_s=cfg.runtime.storage_retry_s),
     )
     store.check_writable()
     # The index as disk has it (a crash between Orbax's commit and the index write still counts).
@@ -193,7 +194,7 @@ def train(
     try:
         run = _prepare(cfg, source_toml, resume, reshard, store, ckpt, manifest, mesh)
     except BaseException:
-        ckpt.close()
+        ckpt.close(after_failure=True)  # logs what it cannot finish: the first error wins
         raise
     if resume:
         emit(
@@ -208,21 +209,25 @@ def train(
         attempt=info.attempt if info else 0,
     )
     watchdog.start()
+    failed = False
     try:
         status = _loop(run, stop, max_steps, emit, t_start)
         result = _finish(run, status, stop, emit, t_start)
         watchdog.mark_done()
         return result
     except BaseException as e:
+        failed = True
         # A collective that failed because a peer died: let the watchdog name the lost host.
         watchdog.explain_failure(e)
-        # What was committed stays; the failure is recorded at the step it happened after; a
-        # half-save never becomes latest.
+        # What was committed stays; the failure is recorded at the step reached (run.step is
+        # moved on as each step completes); a half-save never becomes latest.
         run.art.fail(run.step, e)
         raise
     finally:
         stop.restore()
-        ckpt.close()
+        # After a failure, close() only logs what it cannot finish: the first error is the
+        # one the user sees and the one the exit code comes from.
+        ckpt.close(after_failure=failed)
 
 
 def _loop(run: Run, stop: StopAgreement, max_steps: int | None, emit, t_start: float) -> str:

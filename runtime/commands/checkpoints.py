@@ -3,6 +3,7 @@ can be read back, and how to branch a run off an older one before it is launched
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from jobspec.errors import CheckpointError
@@ -16,8 +17,9 @@ def _service(run: str, *, read_only: bool = True) -> CheckpointService:
     store = open_run(run)
     if not store.isdir(CKPT_DIR):
         raise CheckpointError(f"{store.uri(CKPT_DIR)} does not exist: the run has no checkpoints")
-    # keep only matters for saves, which these commands never make.
-    return CheckpointService(store, keep=1, async_save=False, read_only=read_only)
+    # No retention of ours: a writable service applies `keep` when it closes, and rollback
+    # must delete only what it says it deletes.
+    return CheckpointService(store, keep=sys.maxsize, async_save=False, read_only=read_only)
 
 
 def list_checkpoints(run: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import datetime
 import json
 import logging
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -377,6 +378,7 @@ class CheckpointService:
         step its sentence suggests.
         """
         self._entry(step)
+        _quiet_abandoned_reads()  # before: a failed read's siblings may complete at any time
         items: dict[str, Any] = {
             "params": ocp.args.StandardRestore(params_target),
             "meta": ocp.args.JsonRestore(),
@@ -446,6 +448,7 @@ class CheckpointService:
         the checkpoint's own array metadata, so no config or mesh is needed. Returns
         {"step", "ok", "bytes", "cause"}; never raises for a damaged step."""
         size = _disk_bytes(self.store, f"{CKPT_DIR}/{step}")
+        _quiet_abandoned_reads()
         try:
             self._entry(step)
             for item in ("params", "opt_state"):
@@ -490,6 +493,24 @@ class UnreadableCheckpointError(CheckpointError):
     def __init__(self, message: str, *, step: int, cause: str) -> None:
         super().__init__(message)
         self.step, self.cause = step, cause
+
+
+def _quiet_abandoned_reads() -> None:
+    """When one array fails, Orbax's restore returns and closes its asyncio loop while the
+    other tensorstore reads are in flight; each then completes into the closed loop and Python
+    prints a RuntimeError traceback as "unraisable", after our one sentence. That noise is not
+    the cause: drop exactly it, pass every other unraisable exception on."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxjob_quiet", False):
+        return
+
+    def hook(u: Any) -> None:
+        if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+            return
+        previous(u)
+
+    hook._jaxjob_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def short_cause(e: BaseException | str, limit: int = 200) -> str:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from jobspec.load import parse_run_config
+from runtime.run.inspect import inspect_run, render
 from runtime.train.loop import train
 
 from runs import read_jsonl, run_cli, stderr_lines, tiny_config, write_config
@@ -56,6 +57,7 @@ def test_corrupt_latest_checkpoint_then_resume_from_an_older_step(tmp_path, prep
     assert [bool(e.get("unreadable")) for e in index["checkpoints"]] == [False, False, True]
     assert read_jsonl(run / "events.jsonl")[-1]["event"] == "checkpoint_unreadable"
     assert json.loads((run / "manifest.json").read_text())["status"] == "failed"
+    assert "unreadable [12]" in render(inspect_run(str(run)))
 
     ver = run_cli("checkpoints", "verify", str(run))
     assert ver.returncode == 1, ver.stderr

@@ -72,6 +72,13 @@ def test_corrupt_latest_checkpoint_then_resume_from_an_older_step(tmp_path, prep
     assert ev.returncode == 2 and len(stderr_lines(ev.stderr)) == 1, ev.stderr
     assert "checkpoint 12 " in ev.stderr and "--checkpoint 8 (available: 4, 8, 12)" in ev.stderr
 
+    # A launched job's auto-resume: not restartable (a restart reads the same bytes), and the
+    # way back is one that works before submitting again.
+    wk = run_cli("worker", str(path))
+    assert wk.returncode == 2, wk.stderr
+    assert "error: checkpoint 12 " in wk.stderr and "Traceback" not in wk.stderr
+    assert f"`runtime checkpoints rollback {run} --to-step 8` and submit the job again" in wk.stderr
+
     # A step that is not a committed checkpoint: one sentence with the choices, nothing lost.
     miss = run_cli("local", str(path), "--resume", "--from-step", "6")
     assert miss.returncode == 2 and len(stderr_lines(miss.stderr)) == 1, miss.stderr

@@ -138,7 +138,10 @@ def _initial_state(
             fallback="rollback" if boot.current() else "resume",
         )
     except UnreadableCheckpointError as e:
-        _record_unreadable(ckpt, e)
+        try:
+            _record_unreadable(ckpt, e)
+        except Exception:  # noqa: BLE001 - the unreadable step matters more than its record
+            pass
         raise
     ckpt.mark_readable(start_step)
     if from_step is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import shutil
 
 import jax
@@ -13,7 +14,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jobspec.errors import CheckpointError
-from runtime.run.checkpoint import INDEX, CheckpointService, load_index
+from runtime.run.checkpoint import (
+    INDEX,
+    CheckpointService,
+    UnreadableCheckpointError,
+    load_index,
+    short_cause,
+)
 from runtime.run.meta import CheckpointMeta
 from runtime.run.store import ArtifactStore
 
@@ -279,3 +286,115 @@ def test_the_service_owns_the_save_cadence(tmp_path) -> None:
     assert svc.maybe_save(9, params=params, opt_state=opt_state, meta=meta_for(9), final=True)
     assert svc.steps() == [3, 6, 9]
     svc.close()
+
+
+def _corrupt(store: ArtifactStore, step: int, kind: str) -> None:
+    """Damage one committed step as a torn copy or a failing disk leaves it (local or gs://)."""
+    base = store._path(f"checkpoints/{step}")
+    files = [str(f) for f in store.fs.find(base)]
+    if kind == "truncated params":
+        for f in files:
+            if "/params/" in f and posixpath.basename(posixpath.dirname(f)) == "d":
+                store.fs.pipe_file(f, store.fs.cat_file(f)[:7])
+    elif kind == "zeroed opt_state":
+        for f in files:
+            if "/opt_state/" in f:
+                store.fs.pipe_file(f, b"\0" * len(store.fs.cat_file(f)))
+    elif kind == "garbled meta":
+        store.fs.pipe_file(f"{base}/meta/metadata", b"{garbled")
+    else:  # deleted _METADATA: Orbax restores with a target without it; verify calls it damaged
+        store.fs.rm_file(f"{base}/params/_METADATA")
+
+
+CORRUPTIONS = ["truncated params", "zeroed opt_state", "garbled meta", "deleted _METADATA"]
+
+
+def test_corrupt_steps_are_one_sentence_and_verify_finds_each(ckpt_uri: str) -> None:
+    store = ArtifactStore(ckpt_uri)
+    svc = CheckpointService(store, keep=6, async_save=False)
+    for step in range(1, 6):
+        save(svc, step)
+    svc.close()
+    for step, kind in zip(range(2, 6), CORRUPTIONS, strict=True):
+        _corrupt(store, step, kind)
+
+    svc = CheckpointService(ArtifactStore(ckpt_uri), keep=6, read_only=True)
+    found = {r["step"]: r for r in map(svc.verify, svc.steps())}
+    assert [found[s]["ok"] for s in range(1, 6)] == [True, False, False, False, False]
+    assert found[2]["cause"].startswith("params: ")
+    assert found[3]["cause"].startswith("opt_state: ")
+    assert found[4]["cause"].startswith("meta: garbled JSON")
+    assert found[5]["cause"].startswith("params: ") and "_METADATA" in found[5]["cause"]
+    assert all(r["bytes"] and r["bytes"] > 0 for r in found.values())
+
+    params, opt_state = make_state()
+    targets = {"params_target": abstract(params), "opt_state_target": abstract(opt_state)}
+    for step in (2, 3, 4):
+        with pytest.raises(UnreadableCheckpointError) as err:
+            svc.restore(step, **targets)
+        msg = str(err.value)
+        assert "\n" not in msg and len(msg) < 600 and "tensorstore_spec" not in msg
+        assert msg.startswith(f"checkpoint {step} under {svc.directory} cannot be read (")
+        assert f"`runtime local --resume --from-step {step - 1}` (available: 1, 2, 3, 4, 5)" in msg
+        assert err.value.step == step
+    with pytest.raises(UnreadableCheckpointError, match=r"--checkpoint 3 \(available"):
+        svc.restore(4, params_target=abstract(params), fallback="select")
+    svc.restore(1, **targets)  # the good one still reads
+    svc.close()
+
+
+def test_unreadable_first_step_says_there_is_nothing_older(tmp_path) -> None:
+    store = ArtifactStore(str(tmp_path / "run"))
+    svc = CheckpointService(store, keep=2, async_save=False)
+    save(svc, 1)
+    _corrupt(store, 1, "garbled meta")
+    with pytest.raises(UnreadableCheckpointError, match="no older checkpoint to fall back to"):
+        svc.restore(1, params_target=abstract(make_state()[0]))
+    # The resume path marks it in the index; a good read later clears the mark.
+    svc.mark_unreadable(1, "garbled JSON")
+    assert load_index(store)["checkpoints"][0]["unreadable"] == "garbled JSON"
+    svc.mark_readable(1)
+    assert "unreadable" not in load_index(store)["checkpoints"][0]
+    svc.close()
+
+
+def test_short_cause_is_one_line() -> None:
+    spec = 'NOT_FOUND: Error opening "cast" driver: Error opening "zarr" driver: gone [tensorstore_spec=\'{"a": 1}\']\nmore'
+    assert short_cause(ValueError(spec)) == "NOT_FOUND: gone"
+    assert short_cause(KeyError("params")) == "missing key 'params'"
+    assert short_cause(RuntimeError()) == "RuntimeError"
+    assert len(short_cause("x" * 500)) == 200
+
+
+def test_checkpoints_commands_verify_list_and_rollback(ckpt_uri: str) -> None:
+    from runtime.commands.checkpoints import (
+        describe,
+        list_checkpoints,
+        rollback,
+        verify_checkpoints,
+    )
+
+    store = ArtifactStore(ckpt_uri)
+    store.write_json("manifest.json", {"run_id": "r"})  # what makes it a run directory
+    svc = CheckpointService(store, keep=4, async_save=False)
+    for step in (2, 4, 6):
+        save(svc, step)
+    svc.close()
+    _corrupt(store, 6, "truncated params")
+
+    report = verify_checkpoints(ckpt_uri)
+    lines = describe(report)
+    assert not report["ok"] and len(lines) == 3
+    assert lines[0].startswith("step 2: ok (") and lines[0].endswith(" MiB)")
+    assert lines[2].startswith("step 6: unreadable: params: ")
+    assert [e["step"] for e in list_checkpoints(ckpt_uri)["checkpoints"]] == [2, 4, 6]
+
+    with pytest.raises(CheckpointError, match="step 5 is not a committed checkpoint"):
+        rollback(ckpt_uri, 5)
+    assert disk_steps(store) == [2, 4, 6]  # a refused rollback deletes nothing
+    out = rollback(ckpt_uri, 4)
+    assert out["discarded"] == [6] and disk_steps(store) == [2, 4]
+    assert load_index(store)["latest"] == 4
+    event = store.read_jsonl("events.jsonl")[-1]
+    assert event["event"] == "checkpoints_discarded" and event["steps"] == [6]
+    assert verify_checkpoints(ckpt_uri)["ok"]

@@ -73,17 +73,32 @@ def cli() -> None:
     default=None,
     help="Stop after this many steps of this attempt, with a checkpoint (resume later with --resume).",
 )
+@click.option(
+    "--from-step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="With --resume: continue from this committed checkpoint instead of the latest; the "
+    "later checkpoints are discarded (each one printed).",
+)
 @SET_OPTION
-def local_cmd(config: str, resume: bool, max_steps: int | None, sets: tuple[str, ...]) -> None:
+def local_cmd(
+    config: str, resume: bool, max_steps: int | None, from_step: int | None, sets: tuple[str, ...]
+) -> None:
     """Train CONFIG on this node's devices, with no launcher.
 
     Exits 0 when done (or stopped by --max-steps), 42 when stopped by SIGTERM/SIGINT after a
-    final checkpoint (restartable: run again with --resume), 2 on a bad config or input.
+    final checkpoint (restartable: run again with --resume), 2 on a bad config or input or a
+    checkpoint that cannot be read (resume from an older one with --resume --from-step N).
     """
+    if from_step is not None and not resume:
+        raise ConfigError(
+            f"--from-step {from_step} continues a run: pass it with --resume "
+            f"(runtime local CONFIG --resume --from-step {from_step})"
+        )
     cfg, source = _load(config, sets)
     from runtime.train.loop import train
 
-    result = train(cfg, source, resume=resume, max_steps=max_steps)
+    result = train(cfg, source, resume=resume, max_steps=max_steps, from_step=from_step)
     sys.exit(result.exit_code)
 
 
@@ -321,6 +336,73 @@ def inspect_cmd(run: str, as_json: bool) -> None:
         _print_json(report)
     else:
         click.echo(render(report))
+
+
+@cli.group("checkpoints")
+def checkpoints_group() -> None:
+    """List, verify and roll back a run's checkpoints (local path or gs://)."""
+
+
+@checkpoints_group.command("list")
+@click.argument("run")
+@click.option("--json", "as_json", is_flag=True)
+def checkpoints_list_cmd(run: str, as_json: bool) -> None:
+    """The committed checkpoints of RUN, as its index has them (no array is read)."""
+    from runtime.commands.checkpoints import list_checkpoints
+
+    out = list_checkpoints(run)
+    if as_json:
+        _print_json(out)
+        return
+    for e in out["checkpoints"]:
+        tags = [t for t, s in (("latest", out["latest"]), ("best", out["best"])) if s == e["step"]]
+        metrics = " ".join(f"{k} {v:.4f}" for k, v in (e.get("metrics") or {}).items())
+        bad = f"  UNREADABLE: {e['unreadable']}" if e.get("unreadable") else ""
+        click.echo(
+            f"step {e['step']}  {e.get('time', '-')}  {metrics}".rstrip()
+            + (f"  ({', '.join(tags)})" if tags else "")
+            + bad
+        )
+    if not out["checkpoints"]:
+        click.echo(f"{out['run']}: no committed checkpoint")
+
+
+@checkpoints_group.command("verify")
+@click.argument("run")
+@click.option("--json", "as_json", is_flag=True)
+def checkpoints_verify_cmd(run: str, as_json: bool) -> None:
+    """Read every indexed checkpoint of RUN in full (params, optimizer state, meta), with no
+    config needed. Exits 0 all readable, 1 some unreadable, 2 bad input."""
+    from runtime.commands.checkpoints import describe, verify_checkpoints
+
+    report = verify_checkpoints(run)
+    if as_json:
+        _print_json(report)
+    else:
+        for line in describe(report):
+            click.echo(line)
+    if not report["ok"]:
+        sys.exit(1)
+
+
+@checkpoints_group.command("rollback")
+@click.argument("run")
+@click.option(
+    "--to-step", "step", type=click.IntRange(min=0), required=True, help="A committed step."
+)
+@click.option("--json", "as_json", is_flag=True)
+def checkpoints_rollback_cmd(run: str, step: int, as_json: bool) -> None:
+    """Discard RUN's checkpoints after --to-step (read in full first), so the next resume, a
+    launched job's included, continues from it. Only while nothing is running on RUN."""
+    from runtime.commands.checkpoints import rollback
+
+    out = rollback(run, step)
+    if as_json:
+        _print_json(out)
+        return
+    for s in out["discarded"]:
+        click.echo(f"discarded checkpoint {s} (newer than --to-step {out['step']})")
+    click.echo(f"{out['run']}: latest checkpoint is now {out['step']}")
 
 
 @cli.group("eval")

@@ -48,7 +48,7 @@ def restore_checkpoint(run: str, selector: str) -> Restored:
         step = ckpt.resolve(selector)
         mesh = offline_mesh(cfg.mesh)
         abstract = build_model(cfg.model, cfg.run.seed, mesh, materialise=False)
-        params, _, meta = ckpt.restore(step, params_target=abstract.params)
+        params, _, meta = ckpt.restore(step, params_target=abstract.params, fallback="select")
     finally:
         ckpt.close()
     # An MoE run's balancing biases: route as training left them.

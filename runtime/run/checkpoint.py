@@ -14,7 +14,9 @@ because `CheckpointManager.delete` is a cross-host barrier.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -412,14 +414,23 @@ class CheckpointService:
     # ---- restore -----------------------------------------------------------------------------
 
     def restore(
-        self, step: int, *, params_target: Any, opt_state_target: Any = None
+        self,
+        step: int,
+        *,
+        params_target: Any,
+        opt_state_target: Any = None,
+        fallback: str = "resume",
     ) -> tuple[Any, Any | None, CheckpointMeta]:
         """(params, opt_state or None, meta) of a committed step; every host must call it.
 
         Targets are abstract pytrees (jax.ShapeDtypeStruct with .sharding) so arrays come back
         sharded as the run needs. Without opt_state_target the optimizer state is not read.
+        A step that cannot be read raises UnreadableCheckpointError; `fallback` ("resume",
+        "rollback" for a launched job, "select" for eval/sample) picks which way to an older
+        step its sentence suggests.
         """
         self._entry(step)
+        _quiet_abandoned_reads()  # before: a failed read's siblings may complete at any time
         items: dict[str, Any] = {
             "params": ocp.args.StandardRestore(params_target),
             "meta": ocp.args.JsonRestore(),
@@ -428,13 +439,170 @@ class CheckpointService:
             items["opt_state"] = ocp.args.StandardRestore(opt_state_target)
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(**items))
-        except (OSError, ValueError, KeyError) as e:
-            raise CheckpointError(
-                f"cannot restore checkpoint {step} from {self.directory}: {e}"
-            ) from e
+            meta = CheckpointMeta.from_json(dict(out["meta"]), where=f"{self.directory}/{step}")
+        except StorageFaultError:
+            raise  # the storage failed, not the checkpoint: restartable as it is
+        except Exception as e:  # noqa: BLE001 - Orbax/tensorstore/jax/json raise anything here
+            raise self.unreadable(step, e, fallback=fallback) from e
         opt_state = out["opt_state"] if opt_state_target is not None else None
-        meta = CheckpointMeta.from_json(dict(out["meta"]), where=f"{self.directory}/{step}")
         return out["params"], opt_state, meta
+
+    def unreadable(
+        self, step: int, cause: BaseException | str, *, fallback: str = "resume"
+    ) -> UnreadableCheckpointError:
+        """The one sentence for a step that cannot be read: its step, why, and the way back."""
+        reason = short_cause(cause)
+        older = [s for s in self.steps() if s < step]
+        run = self.store.uri("")
+        if not older:
+            way = (
+                "there is no older checkpoint to fall back to, so start over with a new run.id"
+                if fallback == "resume"
+                else "there is no older checkpoint to read instead"
+            )
+        elif fallback == "resume":
+            way = (
+                f"resume from an older one with `runtime local --resume --from-step {older[-1]}` "
+                f"(available: {self._available()})"
+            )
+        elif fallback == "rollback":  # a launched job: the next attempt must start elsewhere
+            way = (
+                f"roll back to an older one with `runtime checkpoints rollback {run} --to-step "
+                f"{older[-1]}` and submit the job again (available: {self._available()})"
+            )
+        else:
+            way = (
+                f"read an older one with --checkpoint {older[-1]} (available: {self._available()})"
+            )
+        return UnreadableCheckpointError(
+            f"checkpoint {step} under {self.directory} cannot be read ({reason}); {way}, or run "
+            f"`runtime checkpoints verify {run}`",
+            step=step,
+            cause=reason,
+        )
+
+    def mark_unreadable(self, step: int, cause: str) -> None:
+        """Record in the index that `step` failed to restore, so `inspect` and `checkpoints
+        list` say so instead of calling it a good checkpoint; a later good read clears it."""
+        if step in self._entries and self._entries[step].get("unreadable") != cause:
+            self._entries[step] = {**self._entries[step], "unreadable": cause}
+            self._write_index()
+
+    def mark_readable(self, step: int) -> None:
+        if "unreadable" in self._entries.get(step, {}):
+            self._entries[step] = {
+                k: v for k, v in self._entries[step].items() if k != "unreadable"
+            }
+            self._write_index()
+
+    def verify(self, step: int) -> dict[str, Any]:
+        """Read all of `step` (params, opt_state, meta) into host memory, with targets built from
+        the checkpoint's own array metadata, so no config or mesh is needed. Returns
+        {"step", "ok", "bytes", "cause"}; never raises for a damaged step."""
+        size = _disk_bytes(self.store, f"{CKPT_DIR}/{step}")
+        _quiet_abandoned_reads()
+        try:
+            self._entry(step)
+            for item in ("params", "opt_state"):
+                # One item at a time, dropped at once: the host holds one copy of one item.
+                target = _host_target(f"{self.directory}/{step}/{item}")
+                try:
+                    got = self._mgr.restore(
+                        step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)})
+                    )
+                    del got
+                except Exception as e:
+                    raise _ItemError(f"{item}: {short_cause(e)}") from e
+                if target is None:
+                    raise _ItemError(f"{item}: its array metadata cannot be read")
+            try:
+                raw = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+                meta = CheckpointMeta.from_json(dict(raw["meta"]), where=f"{self.directory}/{step}")
+            except Exception as e:
+                raise _ItemError(f"meta: {short_cause(e)}") from e
+            if meta.step != step:
+                raise _ItemError(f"meta: it says step {meta.step}")
+        except _ItemError as e:
+            return {"step": step, "ok": False, "bytes": size, "cause": str(e)}
+        except StorageFaultError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure to read is the finding
+            return {"step": step, "ok": False, "bytes": size, "cause": short_cause(e)}
+        return {"step": step, "ok": True, "bytes": size, "cause": None}
+
+
+class _ItemError(Exception):
+    """verify's finding for one item of a step, already one line."""
+
+
+class UnreadableCheckpointError(CheckpointError):
+    """A committed checkpoint whose files cannot be restored (truncated, deleted, garbled).
+
+    Exit 2: restarting the same job would read the same bytes again, so a launched job ends
+    instead of looping; the sentence names the step and the way back to an older one.
+    """
+
+    def __init__(self, message: str, *, step: int, cause: str) -> None:
+        super().__init__(message)
+        self.step, self.cause = step, cause
+
+
+def _quiet_abandoned_reads() -> None:
+    """When one array fails, Orbax's restore returns and closes its asyncio loop while the
+    other tensorstore reads are in flight; each then completes into the closed loop and Python
+    prints a RuntimeError traceback as "unraisable", after our one sentence. That noise is not
+    the cause: drop exactly it, pass every other unraisable exception on."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxjob_quiet", False):
+        return
+
+    def hook(u: Any) -> None:
+        if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+            return
+        previous(u)
+
+    hook._jaxjob_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def short_cause(e: BaseException | str, limit: int = 200) -> str:
+    """One line of an Orbax/tensorstore error: its first line, less the tensorstore spec dump."""
+    text = e if isinstance(e, str) else (str(e).strip() or type(e).__name__)
+    if isinstance(e, KeyError):
+        text = f"missing key {text}"
+    elif isinstance(e, json.JSONDecodeError):
+        text = f"garbled JSON: {text}"
+    line = text.splitlines()[0] if text else "unknown error"
+    line = line.split(" [tensorstore_spec=")[0].split(" [source locations=")[0]
+    line = re.sub(r'Error opening "\w+" driver: ', "", line).strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _host_target(item_dir: str) -> Any:
+    """An abstract restore target for a saved StandardSave item: its saved shapes and dtypes,
+    all on this host's first device (verification needs the bytes, not the run's layout)."""
+    import jax
+
+    md = ocp.StandardCheckpointer().metadata(item_dir)
+    tree = getattr(md, "item_metadata", md)
+    tree = getattr(tree, "tree", tree)
+    if tree is None:
+        return None  # Orbax hides why; a restore without a target raises the real error
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def leaf(m: Any) -> Any:
+        if m is None:
+            return None
+        return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device)
+
+    return jax.tree.map(leaf, tree, is_leaf=lambda m: m is None or hasattr(m, "shape"))
+
+
+def _disk_bytes(store: ArtifactStore, rel: str) -> int | None:
+    try:
+        return int(store.fs.du(store._path(rel), total=True))
+    except (OSError, ValueError):
+        return None
 
 
 def _index_doc(entries: dict[int, dict[str, Any]], best: int | None) -> dict[str, Any]:
@@ -468,20 +636,6 @@ class _OneLineOrbaxErrors(logging.Filter):
         return True
 
 
-def _event_loop_closed_noise(hook):
-    """tensorstore's callbacks into an Orbax event loop that a failed save already closed print
-    `RuntimeError: Event loop is closed` through sys.excepthook; that is noise after the real
-    error, which the run reports itself. Everything else goes to the previous hook."""
-
-    def quiet(exc_type, exc, tb) -> None:
-        if exc_type is RuntimeError and str(exc) == "Event loop is closed":
-            return
-        hook(exc_type, exc, tb)
-
-    quiet.__jaxjob_quiet__ = True  # type: ignore[attr-defined]
-    return quiet
-
-
 class _QuietOrbaxLeftovers(logging.Filter):
     """After a failed save, asyncio reports each of Orbax's unawaited write futures as "exception
     was never retrieved", with a traceback; the save error itself is reported once, by us."""
@@ -494,5 +648,5 @@ class _QuietOrbaxLeftovers(logging.Filter):
 
 logging.getLogger("absl").addFilter(_OneLineOrbaxErrors())
 logging.getLogger("asyncio").addFilter(_QuietOrbaxLeftovers())
-if not getattr(sys.excepthook, "__jaxjob_quiet__", False):
-    sys.excepthook = _event_loop_closed_noise(sys.excepthook)
+# A failed save leaves the same abandoned tensorstore callbacks as a failed restore.
+_quiet_abandoned_reads()

@@ -48,6 +48,10 @@ def inspect_run(run: str) -> dict[str, Any]:
         "checkpoints": [c["step"] for c in index.get("checkpoints", [])],
         "latest_checkpoint": index.get("latest"),
         "best_checkpoint": index.get("best"),
+        # Steps a resume failed to read (runtime checkpoints verify RUN reads them all).
+        "unreadable_checkpoints": [
+            c["step"] for c in index.get("checkpoints", []) if c.get("unreadable")
+        ],
         "last_event": events[-1] if events else None,
         "summary": summary,
     }
@@ -73,6 +77,7 @@ def render(r: dict[str, Any]) -> str:
     lines.append(
         f"checkpoints  {r['checkpoints'] or 'none'}  latest {fmt(r['latest_checkpoint'])}  "
         f"best {fmt(r['best_checkpoint'])}"
+        + (f"  unreadable {r['unreadable_checkpoints']}" if r["unreadable_checkpoints"] else "")
     )
     if r["last_event"]:
         e = r["last_event"]

@@ -26,7 +26,11 @@ from runtime.host.coordination import HostWatchdog, StopAgreement
 from runtime.model.build import build_model
 from runtime.model.sharding import batch_sharding, build_mesh
 from runtime.run import artifacts
-from runtime.run.checkpoint import CheckpointService, reconciled_entries
+from runtime.run.checkpoint import (
+    CheckpointService,
+    UnreadableCheckpointError,
+    reconciled_entries,
+)
 from runtime.run.compat import check_compatible, run_fingerprint
 from runtime.run.meta import CheckpointMeta
 from runtime.run.store import ArtifactStore
@@ -105,8 +109,14 @@ def _open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[Ar
     return store, bool(resume)
 
 
-def _initial_state(cfg: RunConfig, resume: bool, reshard: bool, ckpt, fp, parts, mesh):
-    """(state, shardings, start step, decay_steps, data state) for a fresh or resumed attempt."""
+def _initial_state(
+    cfg: RunConfig, resume: bool, reshard: bool, ckpt, fp, parts, mesh, from_step: int | None = None
+):
+    """(state, shardings, start step, decay_steps, data state) for a fresh or resumed attempt.
+
+    `from_step` resumes from that committed step instead of the latest, and discards the later
+    ones once it has been read (never before: a bad choice must not cost the newer ones).
+    """
     total_steps = cfg.training.total_steps
     # The optimizer state's structure does not depend on the schedule length, so the shardings
     # can come from a provisional optimizer before a resumed run learns its decay_steps.
@@ -117,25 +127,76 @@ def _initial_state(cfg: RunConfig, resume: bool, reshard: bool, ckpt, fp, parts,
     if not resume:
         state = new_state(parts, provisional, shardings, cfg.run.seed)
         return state, shardings, 0, cfg.optimizer.schedule.decay_steps or total_steps, None
-    start_step = ckpt.resolve("latest")
+    start_step = ckpt.resolve("latest" if from_step is None else from_step)
     # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.
     check_compatible(ckpt.fingerprint(start_step), fp, step=start_step, reshard=reshard)
-    params, opt_state, meta = ckpt.restore(
-        start_step,
-        params_target=parts.params,
-        opt_state_target=abstract_opt_state(provisional, parts.params, shardings),
-    )
+    try:
+        params, opt_state, meta = ckpt.restore(
+            start_step,
+            params_target=parts.params,
+            opt_state_target=abstract_opt_state(provisional, parts.params, shardings),
+            # A launched job (booted by `runtime worker`) is resumed by submitting it again.
+            fallback="rollback" if boot.current() else "resume",
+        )
+    except UnreadableCheckpointError as e:
+        try:
+            _record_unreadable(ckpt, e)
+        except Exception:  # noqa: BLE001 - the unreadable step matters more than its record
+            pass
+        raise
+    ckpt.mark_readable(start_step)
+    if from_step is not None:
+        _discard_later(ckpt, from_step)
     state = restored_state(parts, params, opt_state, meta, shardings)
     return state, shardings, start_step, meta.decay_steps, meta.data_state_for(jax.process_index())
 
 
+def _record_unreadable(ckpt: CheckpointService, e: UnreadableCheckpointError) -> None:
+    """Make the run's own record honest before the attempt ends: the index marks the step, the
+    events say why, and the manifest no longer says completed or running."""
+    store = ckpt.store
+    ckpt.mark_unreadable(e.step, e.cause)
+    if not store.is_writer:
+        return
+    store.append_jsonl(
+        artifacts.EVENTS,
+        [{"time": artifacts.now(), "event": "checkpoint_unreadable", "step": e.step,
+          "error": e.cause}],
+    )  # fmt: skip
+    if store.exists("manifest.json"):
+        manifest = store.read_json("manifest.json")
+        manifest.update(status="failed", failure=str(e), updated=artifacts.now())
+        store.write_json("manifest.json", manifest)
+
+
+def _discard_later(ckpt: CheckpointService, from_step: int) -> None:
+    """--from-step: the run branches off at `from_step`; the later checkpoints go, each said."""
+    discarded = ckpt.discard_after(from_step)
+    for s in discarded:
+        _emit(f"discarded checkpoint {s} (newer than --from-step {from_step})")
+    if discarded and ckpt.store.is_writer:
+        ckpt.store.append_jsonl(
+            artifacts.EVENTS,
+            [{"time": artifacts.now(), "event": "checkpoints_discarded", "steps": discarded,
+              "resume_from": from_step}],
+        )  # fmt: skip
+
+
 def _prepare(
-    cfg: RunConfig, source_toml: str, resume: bool, reshard: bool, store, ckpt, manifest, mesh
+    cfg: RunConfig,
+    source_toml: str,
+    resume: bool,
+    reshard: bool,
+    store,
+    ckpt,
+    manifest,
+    mesh,
+    from_step: int | None = None,
 ) -> Run:
     fp = run_fingerprint(cfg, manifest)
     parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
     state, state_sh, start_step, decay_steps, data_state = _initial_state(
-        cfg, resume, reshard, ckpt, fp, parts, mesh
+        cfg, resume, reshard, ckpt, fp, parts, mesh, from_step
     )
     tx, schedule = build_optimizer(cfg.optimizer, decay_steps)
     t = cfg.training
@@ -171,12 +232,14 @@ def train(
     writer_index: int = 0,
     reshard: bool = False,
     emit: Callable[[str], None] = _emit,
+    from_step: int | None = None,
 ) -> TrainResult:
     """Train to target_tokens (or `max_steps` more steps, then checkpoint and stop).
 
     Every host of a job calls this with the same arguments after `boot.boot()`; `writer_index`
     is the host that writes host-global files (agreed by `writer.elect_writer`). `resume="auto"`
-    continues from the latest committed checkpoint if there is one, else starts.
+    continues from the latest committed checkpoint if there is one, else starts. `from_step`
+    (with resume) continues from that committed step and discards the later checkpoints.
     """
     configure_gcs_env()
     t_start = time.perf_counter()
@@ -192,7 +255,7 @@ def train(
         last_step=cfg.training.total_steps,
     )
     try:
-        run = _prepare(cfg, source_toml, resume, reshard, store, ckpt, manifest, mesh)
+        run = _prepare(cfg, source_toml, resume, reshard, store, ckpt, manifest, mesh, from_step)
     except BaseException:
         ckpt.close(after_failure=True)  # logs what it cannot finish: the first error wins
         raise

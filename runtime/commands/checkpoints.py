@@ -1,0 +1,81 @@
+"""`runtime checkpoints list|verify|rollback RUN`: what a run's checkpoints are, whether each
+can be read back, and how to branch a run off an older one before it is launched again."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from jobspec.errors import CheckpointError
+from runtime.run.checkpoint import CKPT_DIR, CheckpointService
+from runtime.run.inspect import open_run
+
+MIB = 1024 * 1024
+
+
+def _service(run: str, *, read_only: bool = True) -> CheckpointService:
+    store = open_run(run)
+    if not store.isdir(CKPT_DIR):
+        raise CheckpointError(f"{store.uri(CKPT_DIR)} does not exist: the run has no checkpoints")
+    # No retention of ours: a writable service applies `keep` when it closes, and rollback
+    # must delete only what it says it deletes.
+    return CheckpointService(store, keep=sys.maxsize, async_save=False, read_only=read_only)
+
+
+def list_checkpoints(run: str) -> dict[str, Any]:
+    """The index as disk has it: each committed step, its time and metrics, any unreadable mark
+    a failed restore left, plus latest and best."""
+    ckpt = _service(run)
+    try:
+        index = ckpt.read_index()
+    finally:
+        ckpt.close()
+    return {"run": ckpt.store.uri(""), **index}
+
+
+def verify_checkpoints(run: str) -> dict[str, Any]:
+    """Read every indexed step in full; {"run", "ok", "steps": [{step, ok, bytes, cause}]}."""
+    ckpt = _service(run)
+    try:
+        steps = [ckpt.verify(s) for s in ckpt.steps()]
+    finally:
+        ckpt.close()
+    return {"run": ckpt.store.uri(""), "ok": all(s["ok"] for s in steps), "steps": steps}
+
+
+def rollback(run: str, step: int) -> dict[str, Any]:
+    """Discard the checkpoints after `step` so that the next resume (`runtime local --resume`,
+    or a launched job's auto-resume) continues from it; `step` itself is read first."""
+    from runtime.run.artifacts import EVENTS, now
+
+    ckpt = _service(run, read_only=False)
+    try:
+        step = ckpt.resolve(step)
+        found = ckpt.verify(step)
+        if not found["ok"]:
+            raise ckpt.unreadable(step, found["cause"])
+        discarded = ckpt.discard_after(step)
+        if discarded:
+            ckpt.store.append_jsonl(
+                EVENTS,
+                [{"time": now(), "event": "checkpoints_discarded", "steps": discarded,
+                  "resume_from": step}],
+            )  # fmt: skip
+    finally:
+        ckpt.close()
+    return {"run": ckpt.store.uri(""), "step": step, "discarded": discarded}
+
+
+def describe(report: dict[str, Any]) -> list[str]:
+    """verify's lines: `step N: ok (X MiB)` or `step N: unreadable: cause`."""
+    lines = []
+    for s in report["steps"]:
+        size = f"{s['bytes'] / MIB:.1f} MiB" if s["bytes"] is not None else "size unknown"
+        lines.append(
+            f"step {s['step']}: ok ({size})"
+            if s["ok"]
+            else f"step {s['step']}: unreadable: {s['cause']}"
+        )
+    if not report["steps"]:
+        lines.append(f"{report['run']}: no committed checkpoint")
+    return lines

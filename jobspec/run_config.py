@@ -339,6 +339,14 @@ class RuntimeConfig(Section):
     host_loss_timeout_s: PositiveInt = Field(
         60, description="Seconds without a peer's heartbeat before the other hosts exit."
     )
+    owner_lease_s: int = Field(
+        60,
+        ge=2,
+        description=(
+            "Seconds the run's owner claim (owner.json) stays valid without renewal; the writer "
+            "renews it every few seconds, and a claim older than this is taken over as stale."
+        ),
+    )
 
 
 class RunConfig(Section):

@@ -492,6 +492,8 @@ def claim_run(
             raise
         if client is not None:
             _publish(client, key, "ok")
+        if claim.how.startswith("took over"):
+            print(f"note: run {run_id!r}: {claim.how}", file=sys.stderr, flush=True)
         return claim
     if client is None:
         return None

@@ -236,7 +236,9 @@ class _GcsSlot:
         self.fs = fs
         self.bucket, _, prefix = root.partition("/")
         self.key = join(prefix, OWNER_FILE).lstrip("/")
-        self.meta_url = f"{fs._location}/storage/v1/b/{quote(self.bucket)}/o/{quote(self.key, safe='')}"
+        self.meta_url = (
+            f"{fs._location}/storage/v1/b/{quote(self.bucket)}/o/{quote(self.key, safe='')}"
+        )
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -261,9 +263,13 @@ class _GcsSlot:
         (HTTP 412) when someone else changed it first."""
         meta = json.dumps({"name": self.key, "contentType": "application/json"})
         body = (
-            f'--==0==\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n--==0==\n'
-            "Content-Type: application/json\n\n"
-        ).encode() + data + b"\n--==0==--"
+            (
+                f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n--==0==\n"
+                "Content-Type: application/json\n\n"
+            ).encode()
+            + data
+            + b"\n--==0==--"
+        )
         out = self.fs.call(
             "POST",
             f"{self.fs._location}/upload/storage/v1/b/{quote(self.bucket)}/o",

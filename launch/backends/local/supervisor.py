@@ -97,9 +97,7 @@ class State:
     ended: str | None = None
 
 
-def host_env(
-    host: dict[str, Any], attempt: int, port: int, submission_id: str
-) -> dict[str, str]:
+def host_env(host: dict[str, Any], attempt: int, port: int, submission_id: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()

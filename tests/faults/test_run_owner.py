@@ -282,3 +282,25 @@ def test_restarted_attempt_succeeds_the_killed_writer(tmp_path, prepared):
     kinds = [json.loads(x)["event"] for x in (run_uri / "events.jsonl").read_text().splitlines()]
     assert kinds.count("resume") == 1 and kinds[-1] == "finish", kinds
     assert not (run_uri / "owner.json").exists()
+
+
+def test_every_host_of_a_refused_job_exits_with_the_owners_sentence(tmp_path, prepared):
+    """Two `runtime worker` hosts on a run another host owns: the writer is refused, the other
+    host learns it through the coordination service, and both exit 2 with the same sentence;
+    neither writes its host log or anything else into the run."""
+    from multihost import run_hosts
+
+    uri = str(tmp_path / "runs")
+    cfg = _cfg(tmp_path, prepared, uri, mesh={"data": 2})
+    root = Path(uri) / "job"
+    root.mkdir(parents=True)
+    _write_record(str(root), _record(run_id="job", host="tpu-vm-3", pid=77))
+    env = {"JAXJOB_RUN_ID": "job", "JAXJOB_SUBMISSION_ID": "other-submission"}
+    results = run_hosts(["worker", str(cfg)], 2, 1, env=env, timeout=240)
+    want = f"error: run 'job' at {os.path.abspath(root)} is in use by host tpu-vm-3 pid 77"
+    for r in results:
+        assert r.returncode == 2, r.output[-3000:]
+        assert [ln for ln in stderr_lines(r.stderr) if ln.startswith("error:")] == [
+            ln for ln in stderr_lines(r.stderr) if ln.startswith(want)
+        ] and want in r.stderr, r.stderr
+    assert sorted(p.name for p in root.iterdir()) == [".owner.lock", "owner.json"]

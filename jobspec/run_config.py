@@ -345,6 +345,14 @@ class RuntimeConfig(Section):
         description="Seconds a failing gs:// call (5xx, 429, timeout, connection error) is retried "
         "with backoff before the job ends with exit 45 (restartable).",
     )
+    owner_lease_s: int = Field(
+        60,
+        ge=2,
+        description=(
+            "Seconds the run's owner claim (owner.json) stays valid without renewal; the writer "
+            "renews it every few seconds, and a claim older than this is taken over as stale."
+        ),
+    )
 
 
 class RunConfig(Section):

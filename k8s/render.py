@@ -48,6 +48,7 @@ RESTART_EXIT_CODES = sorted(set(RESTARTABLE_EXIT_CODES) | set(SIGNAL_EXIT_CODES)
 # What JobSet and the Job controller put on every pod, as labels and as annotations (FACTS.md,
 # "JobSet and JAX on Kubernetes"); the ones used here:
 JOBSET_NAME_KEY = "jobset.sigs.k8s.io/jobset-name"
+JOBSET_UID_KEY = "jobset.sigs.k8s.io/jobset-uid"
 JOB_GLOBAL_INDEX_KEY = "jobset.sigs.k8s.io/job-global-index"
 RESTART_ATTEMPT_KEY = "jobset.sigs.k8s.io/restart-attempt"
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
@@ -175,6 +176,8 @@ def _env(sub: Submission, port: int) -> list[dict[str, Any]]:
         {"name": "JAXJOB_HOSTS_PER_SLICE", "value": str(spec.hosts_per_slice)},
         {"name": "JAXJOB_SLICE_INDEX", "valueFrom": annotation(JOB_GLOBAL_INDEX_KEY)},
         {"name": "JAXJOB_ATTEMPT", "valueFrom": annotation(RESTART_ATTEMPT_KEY)},
+        # The JobSet's uid: the same across its restarts, new for a resubmitted JobSet.
+        {"name": "JAXJOB_SUBMISSION_ID", "valueFrom": annotation(JOBSET_UID_KEY)},
         {"name": "JAXJOB_OUTPUT_URI", "value": sub.output_uri},
         {"name": "PYTHONUNBUFFERED", "value": "1"},  # log lines reach `launch logs` as printed
     ]

@@ -302,6 +302,8 @@ def test_env_contract_fields():
     assert env["JAXJOB_HOSTS_PER_SLICE"] == "8"
     assert env["JAXJOB_SLICE_INDEX"] == {"fieldRef": {"fieldPath": annotation("job-global-index")}}
     assert env["JAXJOB_ATTEMPT"] == {"fieldRef": {"fieldPath": annotation("restart-attempt")}}
+    # Kept across the JobSet's restarts, so a restarted attempt succeeds the run's owner.
+    assert env["JAXJOB_SUBMISSION_ID"] == {"fieldRef": {"fieldPath": annotation("jobset-uid")}}
     assert env["JAXJOB_OUTPUT_URI"] == "gs://jaxjob-runs/k8s"
     assert "JAXJOB_PROCESS_ID" not in env  # computed by the wrapper in each pod
 

@@ -141,14 +141,22 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
     )
     from jobspec.storage import join
     from runtime.host.hostlog import HostLogTee, log_uri
+    from runtime.run import owner
 
-    # Logs that outlive pods: every host's output goes to the run's own storage too.
-    HostLogTee(
-        log_uri(join(cfg.run.output_uri, cfg.run.id), info.attempt, info.process_index)
-    ).start()
     writer_index = writer.elect_writer(
         info.attempt, run_id=cfg.run.id, timeout_s=cfg.runtime.boot_timeout_s
     )
+    # Before the host logs go into the run: a job refused as a second owner writes nothing there.
+    run_root = join(cfg.run.output_uri, cfg.run.id)
+    owner.claim_run(
+        run_root,
+        run_id=cfg.run.id,
+        is_writer=info.process_index == writer_index,
+        lease_s=cfg.runtime.owner_lease_s,
+        timeout_s=cfg.runtime.boot_timeout_s,
+    )
+    # Logs that outlive pods: every host's output goes to the run's own storage too.
+    HostLogTee(log_uri(run_root, info.attempt, info.process_index)).start()
     from runtime.train.loop import train
 
     click.echo(

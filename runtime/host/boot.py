@@ -4,6 +4,7 @@ Every backend sets the same environment contract (DESIGN.md, "The seam"):
 
     JAXJOB_RUN_ID  JAXJOB_COORDINATOR (host:port of process 0)  JAXJOB_NUM_PROCESSES
     JAXJOB_PROCESS_ID  JAXJOB_OUTPUT_URI  JAXJOB_ATTEMPT (default 0)
+    JAXJOB_SUBMISSION_ID (one submission: the same on every host and every restarted attempt)
 
 `boot()` picks one of three modes and records it in `BootInfo.mode`:
 
@@ -80,6 +81,7 @@ class BootContract(BaseModel):
     process_id: int | None = None
     output_uri: str | None = None
     attempt: int = 0
+    submission_id: str | None = None
 
     @field_validator("run_id")
     @classmethod
@@ -154,6 +156,7 @@ class BootContract(BaseModel):
             "num_processes": get_int("JAXJOB_NUM_PROCESSES", "2"),
             "process_id": get_int("JAXJOB_PROCESS_ID", "0"),
             "output_uri": get("JAXJOB_OUTPUT_URI"),
+            "submission_id": get("JAXJOB_SUBMISSION_ID"),
         }
         attempt = get_int("JAXJOB_ATTEMPT", "0")
         if attempt is not None:
@@ -184,6 +187,8 @@ class BootInfo:
     local_device_count: int
     global_device_count: int
     output_uri: str | None = None
+    # Names one submission; a restarted attempt with it succeeds the run's owner (run/owner.py).
+    submission_id: str | None = None
     cpu_collectives: str | None = None
     writer_index: int | None = None
     writer_election: str | None = None
@@ -419,6 +424,7 @@ def boot(
         local_device_count=len(local),
         global_device_count=jax.device_count(),
         output_uri=contract.output_uri,
+        submission_id=contract.submission_id,
         cpu_collectives=collectives,
         boot_seconds=round(time.monotonic() - started, 3),
     )

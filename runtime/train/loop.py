@@ -25,7 +25,7 @@ from runtime.host import boot
 from runtime.host.coordination import HostWatchdog, StopAgreement
 from runtime.model.build import build_model
 from runtime.model.sharding import batch_sharding, build_mesh
-from runtime.run import artifacts
+from runtime.run import artifacts, owner
 from runtime.run.checkpoint import (
     CheckpointService,
     UnreadableCheckpointError,
@@ -92,6 +92,15 @@ def _open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[Ar
         retry=RetryPolicy(total_s=cfg.runtime.storage_retry_s),
     )
     store.check_writable()
+    # Before anything in the run changes (index repair, Orbax's tmp cleanup, artifacts): one
+    # live owner per run; every host gets the writer's answer (run/owner.py).
+    owner.claim_run(
+        store.root_uri,
+        run_id=cfg.run.id,
+        is_writer=store.is_writer,
+        lease_s=cfg.runtime.owner_lease_s,
+        timeout_s=cfg.runtime.boot_timeout_s,
+    )
     # The index as disk has it (a crash between Orbax's commit and the index write still counts).
     has_ckpt = bool(reconciled_entries(store))
     if resume == "auto":  # a restarted attempt continues; a first attempt starts
@@ -239,8 +248,18 @@ def train(
     Every host of a job calls this with the same arguments after `boot.boot()`; `writer_index`
     is the host that writes host-global files (agreed by `writer.elect_writer`). `resume="auto"`
     continues from the latest committed checkpoint if there is one, else starts. `from_step`
-    (with resume) continues from that committed step and discards the later checkpoints.
+    (with resume) continues from that committed step and discards the later checkpoints. The
+    writer owns the run directory from `_open_run` until this returns or raises.
     """
+    try:
+        return _train(cfg, source_toml, resume, max_steps, writer_index, reshard, emit, from_step)
+    finally:
+        owner.release(join(cfg.run.output_uri, cfg.run.id))
+
+
+def _train(
+    cfg, source_toml, resume, max_steps, writer_index, reshard, emit, from_step
+) -> TrainResult:
     configure_gcs_env()
     t_start = time.perf_counter()
     store, resume = _open_run(cfg, resume, writer_index)

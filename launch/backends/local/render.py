@@ -11,7 +11,11 @@ from typing import Any
 from jobspec.job_spec import SecretRef, spec_yaml
 from launch.backend import RenderedFile, Submission
 from launch.backends import source_pythonpath
-from launch.backends.local.supervisor import ATTEMPT_PLACEHOLDER, COORDINATOR_PLACEHOLDER
+from launch.backends.local.supervisor import (
+    ATTEMPT_PLACEHOLDER,
+    COORDINATOR_PLACEHOLDER,
+    SUBMISSION_PLACEHOLDER,
+)
 
 # Seconds between SIGTERM and SIGKILL: a cancel leaves time for the final checkpoint; after a
 # host failure the others usually cannot checkpoint (a peer is gone), so they get less.
@@ -40,6 +44,7 @@ def _common_env(sub: Submission, procs: int, devices: int) -> dict[str, str]:
         "JAXJOB_NUM_PROCESSES": str(procs),
         "JAXJOB_OUTPUT_URI": sub.output_uri,
         "JAXJOB_ATTEMPT": ATTEMPT_PLACEHOLDER,
+        "JAXJOB_SUBMISSION_ID": SUBMISSION_PLACEHOLDER,
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": _xla_flags(literals.get("XLA_FLAGS"), devices),
         "PYTHONUNBUFFERED": "1",  # lines reach the log files as they are printed

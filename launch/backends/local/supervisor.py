@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ CANCEL_FILE = "cancel-requested"  # written before the SIGTERM, so a cancel is n
 SUPERVISOR_LOG = "supervisor.log"
 COORDINATOR_PLACEHOLDER = "127.0.0.1:<free port chosen at each attempt>"
 ATTEMPT_PLACEHOLDER = "<attempt>"
+SUBMISSION_PLACEHOLDER = "local-<chosen by the supervisor at submit>"
 POLL_S = 0.1
 
 # Variables of the submitting shell the hosts must not inherit: an outer job's contract would
@@ -95,7 +97,7 @@ class State:
     ended: str | None = None
 
 
-def host_env(host: dict[str, Any], attempt: int, port: int) -> dict[str, str]:
+def host_env(host: dict[str, Any], attempt: int, port: int, submission_id: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
@@ -106,6 +108,8 @@ def host_env(host: dict[str, Any], attempt: int, port: int) -> dict[str, str]:
         env[name] = os.environ[name]  # checked at submit; the supervisor inherited that shell
     env["JAXJOB_COORDINATOR"] = f"127.0.0.1:{port}"
     env["JAXJOB_ATTEMPT"] = str(attempt)
+    # One id for every attempt this supervisor starts: attempt n+1 succeeds n as the run's owner.
+    env["JAXJOB_SUBMISSION_ID"] = submission_id
     return env
 
 
@@ -125,6 +129,7 @@ class Supervisor:
         self.first_attempt = past[-1]["attempt"] + 1 if past else 0
         self.state.attempts = list(past)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.submission_id = f"local-{uuid.uuid4().hex[:12]}"
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -169,7 +174,7 @@ class Supervisor:
                 proc = subprocess.Popen(
                     host["command"],
                     cwd=self.plan["cwd"],
-                    env=host_env(host, attempt, port),
+                    env=host_env(host, attempt, port, self.submission_id),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -258,6 +258,8 @@ def _env_lines(spec: JobSpec, sub: Submission) -> list[str]:
         # Already absolute (or remote): prepare_submission resolved it where launch runs.
         f"export JAXJOB_OUTPUT_URI={_word(sub.output_uri, 'output_uri')}",
         'export JAXJOB_ATTEMPT="${SLURM_RESTART_COUNT:-0}"',
+        "# A requeued job keeps its id: its next attempt succeeds this one as the run's owner.",
+        'export JAXJOB_SUBMISSION_ID="slurm-${SLURM_CLUSTER_NAME:-cluster}-$SLURM_JOB_ID"',
         "# Process 0 runs on the first host of the allocation (srun's block distribution); the",
         "# port comes from the job id, so every host computes the same address on its own.",
         'coordinator_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',

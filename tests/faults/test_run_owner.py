@@ -1,0 +1,306 @@
+"""One live owner per run directory (issue 11, point 2), with real processes.
+
+A second `runtime local` on a run another process is training exits 2 with one sentence naming
+the owner and changes nothing; a dead owner's claim is taken over (at once when its pid is gone
+on this host, after `runtime.owner_lease_s` when it was another host's); a restarted attempt of
+the same submission succeeds the owner at once; of several takers of one stale claim exactly one
+wins, locally (flock) and on gs:// (generation-matched uploads).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobspec.errors import RunOwnedError
+from jobspec.storage import url_to_fs
+from runtime.run.owner import OwnerRecord, takeover_reason
+
+from runs import ROOT, run_cli, stderr_lines, tiny_config, write_config
+
+STEPS = 20
+
+
+def _record(**over) -> OwnerRecord:
+    rec = OwnerRecord.mine("t", "sub-0", 0, 60)
+    for k, v in over.items():
+        setattr(rec, k, v)
+    return rec
+
+
+# ---- the decision, without processes ------------------------------------------------------------
+
+
+def test_takeover_rules():
+    me = OwnerRecord.mine("t", "sub-1", 1, 60)
+    live_elsewhere = _record(host="elsewhere", pid=1, renewed_epoch=time.time())
+    assert takeover_reason(live_elsewhere, me, 60) is None
+    stale_elsewhere = _record(host="elsewhere", pid=1, renewed_epoch=time.time() - 61)
+    assert "lease was last renewed 61 s ago" in takeover_reason(stale_elsewhere, me, 60)
+    # Same host: a live pid (ours, with its real start time) holds; a gone pid or a reused one not.
+    assert takeover_reason(_record(), me, 60) is None
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    assert "has exited" in takeover_reason(_record(pid=gone.pid), me, 60)
+    reused = _record(pid_start="1")
+    assert "now belongs to another process" in takeover_reason(reused, me, 60)
+    # A restarted attempt of the same submission succeeds a live owner; a lower or another one not.
+    assert "succeeds attempt 0" in takeover_reason(_record(submission_id="sub-1"), me, 60)
+    assert takeover_reason(_record(attempt=1, submission_id="sub-1"), me, 60) is None
+    assert takeover_reason(_record(attempt=0, submission_id=None), me, 60) is None
+    assert takeover_reason(None, me, 60) is not None  # unreadable: names no live owner
+
+
+def _race(root: str, q, start, done) -> None:
+    from runtime.run import owner as _owner  # imported before the start line, so all race
+
+    _owner.url_to_fs(root)
+    start.wait()
+    try:
+        claim = _owner.acquire(root, run_id="t", submission_id=None, attempt=0, lease_s=60)
+        q.put(("won", str(claim.record.pid)))
+        done.wait(60)  # hold it until every taker has decided
+        claim.release()
+    except RunOwnedError as e:
+        q.put(("refused", str(e)))
+
+
+def _race_many(root: str, n: int = 4) -> list[tuple[str, str]]:
+    ctx = multiprocessing.get_context("spawn")
+    q, start, done = ctx.Queue(), ctx.Barrier(n), ctx.Event()
+    procs = [ctx.Process(target=_race, args=(root, q, start, done)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        results = [q.get(timeout=60) for _ in procs]
+    finally:
+        done.set()
+        for p in procs:
+            p.join(timeout=30)
+    return results
+
+
+def _write_record(root: str, rec: OwnerRecord) -> None:
+    fs, path = url_to_fs(root)
+    fs.pipe_file(f"{path.rstrip('/')}/owner.json", rec.to_bytes())
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("gs", marks=pytest.mark.gcs)])
+def test_one_of_many_takers_of_a_stale_claim_wins(where, tmp_path, request):
+    root = str(tmp_path / "run") if where == "local" else request.getfixturevalue("gs_run_uri")
+    if where == "local":
+        os.makedirs(root)
+    _write_record(root, _record(host="elsewhere", pid=1, renewed_epoch=time.time() - 600))
+    results = _race_many(root)
+    assert sorted(r[0] for r in results) == ["refused"] * 3 + ["won"], results
+    winner = next(r[1] for r in results if r[0] == "won")
+    assert all(f"pid {winner}" in r[1] for r in results if r[0] == "refused"), results
+    fs, path = url_to_fs(root)
+    if where == "gs":
+        fs.invalidate_cache()
+    assert not fs.exists(f"{path}/owner.json")  # released by the winner
+
+
+# ---- two `runtime local` on one run -------------------------------------------------------------
+
+
+def _snapshot(root: str) -> dict[str, bytes]:
+    fs, path = url_to_fs(root)
+    fs.invalidate_cache()
+    return {f: bytes(fs.cat_file(f)) for f in fs.find(path) if not f.endswith(".owner.lock")}
+
+
+def _cfg(tmp_path: Path, prepared: str, uri: str, **over) -> Path:
+    base = {"training": {"target_tokens": 16 * 8 * STEPS}, "checkpoint": {"every": 10}}
+    return write_config(tmp_path / "cfg.toml", tiny_config(prepared, uri, **{**base, **over}))
+
+
+def _start(cfg: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "runtime", "local", str(cfg), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_rows(root: str, rows: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the owner has logged `rows` training rows (it owns the run and is in its loop)."""
+    fs, path = url_to_fs(root)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        fs.invalidate_cache()
+        if fs.exists(f"{path}/metrics/train.jsonl"):
+            if len(fs.cat_file(f"{path}/metrics/train.jsonl").splitlines()) >= rows:
+                return
+        time.sleep(0.1)
+    raise AssertionError("the first run logged no rows in time")
+
+
+def _losses(root: str) -> list[tuple[int, float]]:
+    fs, path = url_to_fs(root)
+    fs.invalidate_cache()
+    rows = [json.loads(x) for x in fs.cat_file(f"{path}/metrics/train.jsonl").splitlines()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("gs", marks=pytest.mark.gcs)])
+def test_second_process_on_a_run_is_refused_and_changes_nothing(where, tmp_path, prepared, request):
+    uri = (
+        str(tmp_path / "runs") if where == "local" else request.getfixturevalue("orbax_gs_run_uri")
+    )
+    cfg = _cfg(tmp_path, prepared, uri)
+    root = f"{uri}/t"
+    first = _start(cfg)
+    try:
+        _wait_for_rows(root, 3, first)
+        first.send_signal(signal.SIGSTOP)  # frozen, still alive: nothing moves while we compare
+        before = _snapshot(root)
+        refused = [run_cli("local", str(cfg))]
+        if where == "local":  # --resume is refused the same way (before it reads the index)
+            refused.append(run_cli("local", str(cfg), "--resume"))
+        after = _snapshot(root)
+        first.send_signal(signal.SIGCONT)
+        out, err = first.communicate(timeout=240)
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGCONT)
+            first.kill()
+            first.wait()
+    rec = OwnerRecord.from_bytes(before[next(k for k in before if k.endswith("/owner.json"))])
+    for r in refused:
+        assert r.returncode == 2, r.stderr
+        lines = stderr_lines(r.stderr)
+        assert lines == [
+            f"error: run 't' at {root if where == 'gs' else os.path.abspath(root)} is in use "
+            f"by host {socket.gethostname()} pid {first.pid} (started {rec.started}, attempt 0); "
+            "wait for it to finish or use another run.id"
+        ], r.stderr
+    assert after == before  # not one byte of the run changed (metrics, events, checkpoints)
+    assert first.returncode == 0, err
+    # The first run's results are its own alone: every step once, one start, one finish.
+    assert [step for step, _ in _losses(root)] == list(range(1, STEPS + 1))
+    fs, path = url_to_fs(root)
+    fs.invalidate_cache()
+    kinds = [json.loads(x)["event"] for x in fs.cat_file(f"{path}/events.jsonl").splitlines()]
+    assert kinds.count("start") == 1 and kinds.count("finish") == 1, kinds
+    assert not fs.exists(f"{path}/owner.json")  # released at the end
+
+
+def test_dead_owners_claim_is_taken_over(tmp_path, prepared):
+    """Another host's claim: refused while its lease is fresh, taken over once it is older than
+    runtime.owner_lease_s; then kill -9 of the new owner: the next start takes over at once
+    (its pid is gone on this host) although its lease is still fresh."""
+    uri = str(tmp_path / "runs")
+    cfg = _cfg(
+        tmp_path, prepared, uri, training={"target_tokens": 16 * 8 * 400}, checkpoint={"every": 0}
+    )
+    root = Path(uri) / "t"
+    root.mkdir(parents=True)
+    fresh = _record(host="gpu-node-7", pid=4242, renewed_epoch=time.time())
+    _write_record(str(root), fresh)
+    r = run_cli("local", str(cfg))
+    assert r.returncode == 2 and "in use by host gpu-node-7 pid 4242" in r.stderr, r.stderr
+    assert sorted(p.name for p in root.iterdir()) == [".owner.lock", "owner.json"]
+
+    _write_record(str(root), _record(host="gpu-node-7", pid=4242, renewed_epoch=time.time() - 61))
+    first = _start(cfg)
+    try:
+        _wait_for_rows(str(root), 1, first)
+    finally:
+        first.kill()  # SIGKILL: no release, and its lease (60 s) is still fresh
+        _, err = first.communicate()
+    assert "took over from host gpu-node-7 pid 4242: its lease was last renewed" in err
+    assert json.loads((root / "owner.json").read_text())["pid"] == first.pid
+
+    t0 = time.monotonic()
+    r = run_cli("local", str(cfg), "--max-steps", "2")
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 55  # the pid check let it in, not the lease
+    assert f"took over from host {socket.gethostname()} pid {first.pid}" in r.stderr
+    assert "has exited" in r.stderr
+    assert not (root / "owner.json").exists()
+
+
+# ---- a restarted attempt through the local backend ----------------------------------------------
+
+
+@pytest.mark.slow
+def test_restarted_attempt_succeeds_the_killed_writer(tmp_path, prepared):
+    """kill -9 of the writer (host 0) mid-run: the supervisor restarts the group and attempt 1's
+    writer takes the run over at once as the successor of the same submission."""
+    from test_launch_local import (
+        kill_leftovers,
+        status,
+        submit,
+        supervisor_state,
+        wait_for,
+        write_job,
+    )
+
+    state = tmp_path / "state"
+    job = write_job(
+        tmp_path, prepared, "own", steps=60, training={"log_every": 10},
+        checkpoint={"every": 10, "keep": 2}, runtime={"host_loss_timeout_s": 5},
+    )  # fmt: skip
+    try:
+        run_id = submit(job, state)
+        run_uri = Path(status(run_id, state)["run_uri"])
+        index = run_uri / "checkpoints" / "index.json"
+        wait_for(
+            lambda: index.exists() and json.loads(index.read_text()).get("latest"), 180, "a commit"
+        )
+        st = supervisor_state(state, run_id)
+        claim = json.loads((run_uri / "owner.json").read_text())
+        assert claim["pid"] == st["hosts"][0]["pid"] and claim["submission_id"].startswith("local-")
+        os.kill(st["hosts"][0]["pid"], signal.SIGKILL)
+        final = wait_for(
+            lambda: (s := status(run_id, state))["state"] in ("succeeded", "failed") and s,
+            240,
+            "the restarted run to end",
+        )
+    finally:
+        kill_leftovers(state)
+    assert final["state"] == "succeeded", final
+    assert final["backend_status"]["restarts"] == 1 and final["progress"]["step"] == 60
+    log = (state / "jaxjob" / "runs" / run_id / "logs" / "attempt-1" / "host-0.log").read_text()
+    assert (
+        f"took over from host {socket.gethostname()} pid {claim['pid']}: attempt 1 succeeds "
+        "attempt 0 of the same submission" in log
+    ), log[-3000:]
+    kinds = [json.loads(x)["event"] for x in (run_uri / "events.jsonl").read_text().splitlines()]
+    assert kinds.count("resume") == 1 and kinds[-1] == "finish", kinds
+    assert not (run_uri / "owner.json").exists()
+
+
+def test_every_host_of_a_refused_job_exits_with_the_owners_sentence(tmp_path, prepared):
+    """Two `runtime worker` hosts on a run another host owns: the writer is refused, the other
+    host learns it through the coordination service, and both exit 2 with the same sentence;
+    neither writes its host log or anything else into the run."""
+    from multihost import run_hosts
+
+    uri = str(tmp_path / "runs")
+    cfg = _cfg(tmp_path, prepared, uri, mesh={"data": 2})
+    root = Path(uri) / "job"
+    root.mkdir(parents=True)
+    _write_record(str(root), _record(run_id="job", host="tpu-vm-3", pid=77))
+    env = {"JAXJOB_RUN_ID": "job", "JAXJOB_SUBMISSION_ID": "other-submission"}
+    results = run_hosts(["worker", str(cfg)], 2, 1, env=env, timeout=240)
+    want = f"error: run 'job' at {os.path.abspath(root)} is in use by host tpu-vm-3 pid 77"
+    for r in results:
+        assert r.returncode == 2, r.output[-3000:]
+        assert [ln for ln in stderr_lines(r.stderr) if ln.startswith("error:")] == [
+            ln for ln in stderr_lines(r.stderr) if ln.startswith(want)
+        ] and want in r.stderr, r.stderr
+    assert sorted(p.name for p in root.iterdir()) == [".owner.lock", "owner.json"]

@@ -259,7 +259,9 @@ def test_manifest_errors(tmp_path):
     with pytest.raises(DataError, match=r"shard shards-\S+/train-00001.bin has sha256"):
         check_manifest(str(man), deep=True)
     shard.unlink()
-    with pytest.raises(DataError, match=r"lists shard shards-\S+/train-00001.bin but .* does not exist"):
+    with pytest.raises(
+        DataError, match=r"lists shard shards-\S+/train-00001.bin but .* does not exist"
+    ):
         load_manifest(str(man))
 
 

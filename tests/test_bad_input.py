@@ -7,6 +7,9 @@ run as subprocesses as well, to prove nothing else prints a traceback around it.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,6 +126,10 @@ FRESH_CASES = {
         "no committed checkpoint",
     ),
     "no such config": (lambda w, t: ["local", str(t / "missing.toml")], "no such config file"),
+    "export onto a file": (
+        lambda w, t: ["export", "hf", str(w["root"] / "runs/base"), "--out", w["blocker"]],
+        "is an existing file, not a directory",
+    ),
     "bad --set": (lambda w, t: ["config", "check", _cfg(w, t), "--set", "training"], "--set"),
 }
 
@@ -210,6 +217,22 @@ def test_subprocess_errors_have_no_traceback(world, tmp_path):
         assert res.returncode == 2
         _one_sentence(res.stderr)
         assert res.stdout == ""
+
+
+def test_worker_with_an_unwritable_output_is_one_sentence(world, tmp_path):
+    """The host log is the worker's first write: an output under a file is one sentence."""
+    cfg = _cfg(world, tmp_path, name="w")
+    env = {
+        "JAXJOB_RUN_ID": "w", "JAXJOB_NUM_PROCESSES": "1", "JAXJOB_PROCESS_ID": "0",
+        "JAXJOB_ATTEMPT": "0", "JAXJOB_OUTPUT_URI": world["blocker"] + "/runs",
+    }  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "runtime", "worker", cfg],
+        capture_output=True, text=True, env={**os.environ, **env}, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    line = _one_sentence(res.stderr)
+    assert "writable" in line and world["blocker"] in line, line
 
 
 def test_schema_lists_every_section():

@@ -174,12 +174,43 @@ def test_reprepare_replaces_old_files(tmp_path):
     out = tmp_path / "ds"
     prepare_dataset([str(src / "a.txt")], "byte", str(out), val_fraction=0, shard_tokens=8)
     prepare_dataset([str(src / "a.txt")], "byte", str(out), val_fraction=0, shard_tokens=64)
-    assert sorted(p.name for p in out.iterdir()) == [
-        "manifest.json",
+    top = sorted(p.name for p in out.iterdir())
+    assert len(top) == 2 and top[0] == "manifest.json" and top[1].startswith("shards-"), top
+    assert sorted(p.name for p in (out / top[1]).iterdir()) == [
         "train-00000.bin",
         "train-offsets.bin",
         "validation-offsets.bin",
     ]
+
+
+def test_reprepare_removes_an_older_layouts_loose_files(tmp_path):
+    """Datasets prepared before shard folders kept their shards beside manifest.json; a new
+    prepare removes those (and only those) once its own manifest is in place."""
+    src = tmp_path / "src"
+    _write(src, "a.txt", "a" * 40)
+    out = tmp_path / "ds"
+    out.mkdir()
+    for name in ("train-00000.bin", "train-offsets.bin", "validation-offsets.bin", "notes.txt"):
+        (out / name).write_bytes(b"old")
+    prepare_dataset([str(src / "a.txt")], "byte", str(out), val_fraction=0)
+    top = sorted(p.name for p in out.iterdir())
+    assert top[:2] == ["manifest.json", "notes.txt"] and top[2].startswith("shards-"), top
+    assert load_manifest(str(out / "manifest.json")).splits.train.tokens == 41
+
+
+@pytest.mark.parametrize(
+    "bad", ["../outside.bin", "/etc/passwd", "gs://other/x.bin", "a/../../x.bin"]
+)
+def test_manifest_paths_must_stay_inside_its_folder(tmp_path, bad):
+    src = tmp_path / "src"
+    _write(src, "a.txt", "a" * 40)
+    out = tmp_path / "ds"
+    prepare_dataset([str(src / "a.txt")], "byte", str(out), val_fraction=0)
+    doc = json.loads((out / "manifest.json").read_text())
+    doc["splits"]["train"]["shards"][0]["path"] = bad
+    (out / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(DataError, match=r"splits\.train\.shards\[0\]\.path is .*not a path inside"):
+        load_manifest(str(out / "manifest.json"))
 
 
 # --- manifest errors ---------------------------------------------------------------------------
@@ -216,19 +247,21 @@ def test_manifest_errors(tmp_path):
     with pytest.raises(DataError, match="fingerprint .* does not match"):
         load_manifest(str(man))
     man.write_text(good)
-    shard = ds / "train-00001.bin"
+    shard = next(ds.glob("shards-*")) / "train-00001.bin"
     data = shard.read_bytes()
     shard.write_bytes(data[:-2])
     with pytest.raises(
-        DataError, match="shard train-00001.bin is 18 bytes but the manifest records 20"
+        DataError, match=r"shard shards-\S+/train-00001.bin is 18 bytes but the manifest records 20"
     ):
         load_manifest(str(man))
     shard.write_bytes(data[::-1])  # same size, other bytes: only the deep check sees it
     assert check_manifest(str(man), deep=False)["ok"]
-    with pytest.raises(DataError, match="shard train-00001.bin has sha256"):
+    with pytest.raises(DataError, match=r"shard shards-\S+/train-00001.bin has sha256"):
         check_manifest(str(man), deep=True)
     shard.unlink()
-    with pytest.raises(DataError, match="lists shard train-00001.bin but .* does not exist"):
+    with pytest.raises(
+        DataError, match=r"lists shard shards-\S+/train-00001.bin but .* does not exist"
+    ):
         load_manifest(str(man))
 
 

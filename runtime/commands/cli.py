@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from jobspec.cli import run_group
-from jobspec.errors import ConfigError
+from jobspec.errors import ConfigError, StorageError
 
 
 def _print_json(obj: Any) -> None:
@@ -86,10 +86,14 @@ def local_cmd(
 ) -> None:
     """Train CONFIG on this node's devices, with no launcher.
 
-    Exits 0 when done (or stopped by --max-steps), 42 when stopped by SIGTERM/SIGINT after a
-    final checkpoint (restartable: run again with --resume), 2 on a bad config or input or a
-    checkpoint that cannot be read (resume from an older one with --resume --from-step N).
+    Exits 0 when done (or stopped by --max-steps), 42 when stopped by SIGTERM/SIGINT (after a
+    final checkpoint, or during start-up; restartable: run again with --resume), 2 on a bad
+    config or input or a checkpoint that cannot be read (resume from an older one with
+    --resume --from-step N), 45 on a storage fault (restartable).
     """
+    from runtime.host import startup
+
+    startup.install()  # a SIGTERM before the first step is restartable (42), not 143
     if from_step is not None and not resume:
         raise ConfigError(
             f"--from-step {from_step} continues a run: pass it with --resume "
@@ -123,10 +127,12 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
     JAXJOB_PROCESS_ID, JAXJOB_OUTPUT_URI, JAXJOB_ATTEMPT; JAX's SLURM/GKE detection where it is
     absent), joins the cluster, agrees on the writer host, and trains; resumes from the latest
     committed checkpoint when the run has one. Exit codes: 0 done, 2 bad config or input,
-    42 stopped by SIGTERM/SIGINT after a checkpoint (restart it), 43 a peer host was lost.
+    42 stopped by SIGTERM/SIGINT (after a checkpoint, or during start-up: restart it), 43 a peer
+    host was lost, 44 the cluster did not form, 45 a storage fault (restart it).
     """
-    from runtime.host import boot, writer
+    from runtime.host import boot, startup, writer
 
+    startup.install()  # a SIGTERM before the first step is restartable (42), not 143
     contract = boot.BootContract.from_env()
     identity = []
     if contract.run_id:
@@ -156,7 +162,14 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
         timeout_s=cfg.runtime.boot_timeout_s,
     )
     # Logs that outlive pods: every host's output goes to the run's own storage too.
-    HostLogTee(log_uri(run_root, info.attempt, info.process_index)).start()
+    host_log = log_uri(run_root, info.attempt, info.process_index)
+    try:
+        HostLogTee(host_log).start()
+    except OSError as e:
+        raise StorageError(
+            f"cannot write the host log {host_log}: {e.strerror or e}; choose a writable "
+            "run.output_uri (or JAXJOB_OUTPUT_URI)"
+        ) from e
     from runtime.train.loop import train
 
     click.echo(

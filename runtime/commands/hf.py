@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ def export_checkpoint(
     Only parameters are exported: a qwen3_moe run's router bias (router_bias_update_rate > 0)
     has no HF tensor, so HF routes such an export as if that bias were zero.
     """
+    _check_export_dir(out_dir)  # before the restore: a bad --out must not cost a checkpoint read
     _, cfg, step, parts, _ = restore_checkpoint(run, selector)
     files = write_hf(cfg.model, parts.params, out_dir, max_shard_bytes=max_shard_bytes)
     return {
@@ -45,6 +47,20 @@ def export_checkpoint(
         "out": out_dir,
         "files": files,
     }
+
+
+def _check_export_dir(out_dir: str) -> None:
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"--out {out_dir} is an existing file, not a directory; give a new or existing "
+            "directory for config.json and the *.safetensors files"
+        )
+    parent = next((p for p in (out, *out.parents) if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"--out {out_dir} is inside the file {parent}; give a directory path")
+    if parent is not None and not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out {out_dir} cannot be created: {parent} is not writable")
 
 
 def _import_run_config(path: Path, out: Path, config: str | None):

@@ -250,6 +250,12 @@ def _check_consistency(m: Manifest, uri: str) -> None:
     names = set(m.splits.train.fields)
     for name in ("train", "validation"):
         s = m.split(name)
+        _check_relative(uri, f"splits.{name}.offsets", s.offsets)
+        for i, sh in enumerate(s.shards):
+            _check_relative(uri, f"splits.{name}.shards[{i}].path", sh.path)
+        for field, info in s.fields.items():
+            for i, sh in enumerate(info.shards):
+                _check_relative(uri, f"splits.{name}.fields.{field}.shards[{i}].path", sh.path)
         if sum(sh.tokens for sh in s.shards) != s.tokens:
             raise DataError(
                 f"data manifest {uri}: splits.{name}.tokens ({s.tokens}) is not the sum of its shard "
@@ -272,6 +278,18 @@ def _check_consistency(m: Manifest, uri: str) -> None:
         raise DataError(
             f"data manifest {uri}: fingerprint {m.fingerprint} does not match its contents; the file "
             "was edited by hand, re-run `runtime data prepare`"
+        )
+
+
+def _check_relative(uri: str, where: str, rel: str) -> None:
+    """A manifest names files inside its own folder only: a path that climbs out (`..`), is
+    absolute or is a URL would read (and verify, and train on) files the dataset does not own."""
+    parts = rel.replace("\\", "/").split("/")
+    if not rel or rel.startswith("/") or "://" in rel or ".." in parts or ":" in parts[0]:
+        raise DataError(
+            f"data manifest {uri}: {where} is {rel!r}, which is not a path inside the manifest's "
+            "folder; shard and offsets paths must be relative without '..' (re-run "
+            "`runtime data prepare` to rewrite the manifest)"
         )
 
 

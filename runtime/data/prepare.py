@@ -17,7 +17,12 @@ Rules (the manifest format is described in manifest.py):
   * split by document index i (over kept documents): with k = max(2, round(1 / val_fraction)),
     document i goes to validation when i % k == 1, so with two or more documents both splits
     are non-empty; val_fraction = 0 puts everything in train.
-  * manifest.json is removed first and written last, so a folder mid-prepare has none.
+  * a prepare never touches the dataset already in `out` until the new one is complete: the new
+    shards go into a fresh folder `out/shards-<time>-<id>/`, manifest.json (the commit point: one
+    atomic write pointing at them) is written last, and only then are the previous shards
+    deleted. A prepare that fails (empty input, a tokenizer error, a full disk, Ctrl-C) removes
+    its own folder and leaves the previous dataset byte-identical; this works the same on gs://,
+    which has no rename.
   * format "rollouts": every input is rollout JSONL (rollouts.py); each rollout is one document
     (prompt then completion, no eos added) with its per-token fields; max_bytes is refused, the
     split rule is the same.
@@ -25,10 +30,12 @@ Rules (the manifest format is described in manifest.py):
 
 from __future__ import annotations
 
+import datetime
 import glob
 import hashlib
 import os
 import re
+import secrets
 import sysconfig
 from array import array
 from collections.abc import Iterator
@@ -38,7 +45,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jobspec.errors import DataError
+from jobspec.errors import DataError, StorageFaultError
 from jobspec.run_config import DataConfig
 from jobspec.storage import is_remote, join, url_to_fs
 from runtime.data.jsonl import json_objects
@@ -62,10 +69,12 @@ from runtime.data.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 128 MiB of uint16 per shard: few files, cheap range reads
 ENCODE_BATCH = 256  # documents per tokenizer call (the HF tokenizer parallelises a batch)
+# Files an older prepare wrote directly into `out` (before shard folders), and shard folders.
 _OWN_FILE = re.compile(
     rf"^(train|validation)(-({'|'.join(FIELD_DTYPES)}))?-\d{{5}}\.bin$"
-    r"|^(train|validation)-offsets\.bin$|^manifest\.json(\.tmp)?$"
+    r"|^(train|validation)-offsets\.bin$|^manifest\.json\.tmp$"
 )
+_SHARD_DIR = re.compile(r"^shards-\d{8}T\d{6}-[0-9a-f]{8}$")
 TOKENS = "tokens"  # the token stream's key among a split writer's streams
 
 
@@ -143,12 +152,14 @@ class _SplitWriter:
     def __init__(
         self,
         out: str,
+        folder: str,
         name: str,
         dtype: str,
         shard_tokens: int,
         fields: dict[str, str] | None = None,
     ):
-        self.out, self.name, self.shard_tokens = out, name, shard_tokens
+        # Files go to out/folder/…; the manifest records them relative to out.
+        self.out, self.folder, self.name, self.shard_tokens = out, folder, name, shard_tokens
         self.fields = dict(fields or {})
         self.dtypes = {
             TOKENS: np.dtype(dtype).newbyteorder("<"),
@@ -184,7 +195,7 @@ class _SplitWriter:
 
     def _write_shard(self, kind: str, values: np.ndarray) -> None:
         stem = self.name if kind == TOKENS else f"{self.name}-{kind}"
-        rel = f"{stem}-{len(self.shards[kind]):05d}.bin"
+        rel = f"{self.folder}/{stem}-{len(self.shards[kind]):05d}.bin"
         data = values.tobytes()
         _write_bytes(join(self.out, rel), data)
         self.shards[kind].append(
@@ -195,7 +206,7 @@ class _SplitWriter:
         if self.buf_len:
             self._flush(final=True)
         self.buf, self.buf_len = {k: [] for k in self.dtypes}, 0
-        rel = f"{self.name}-offsets.bin"
+        rel = f"{self.folder}/{self.name}-offsets.bin"
         data = np.asarray(self.offsets, dtype=OFFSET_DTYPE).tobytes()
         _write_bytes(join(self.out, rel), data)
         return SplitInfo(
@@ -219,19 +230,38 @@ def _write_bytes(uri: str, data: bytes) -> None:
         f.write(data)
 
 
-def _clear_previous(out: str) -> None:
-    """Remove an earlier prepare's manifest (first, so it never points at new shards) and files."""
-    fs, path = url_to_fs(out)
-    fs.makedirs(path, exist_ok=True)
-    man = join(path, "manifest.json")
-    if fs.exists(man):
-        fs.rm_file(man)
+def _new_folder() -> str:
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
+    return f"shards-{stamp}-{secrets.token_hex(4)}"
+
+
+def _entries(fs, path: str) -> list[str]:
+    fs.invalidate_cache(path)  # gcsfs caches listings; this prepare has just written here
     try:
-        entries = fs.ls(path, detail=False)
+        return [e.rstrip("/") for e in fs.ls(path, detail=False)]
     except FileNotFoundError:  # a new gs:// prefix does not exist until its first object
-        entries = []
-    for entry in entries:
-        if _OWN_FILE.match(entry.rstrip("/").rsplit("/", 1)[-1]):
+        return []
+
+
+def _remove_folder(out: str, folder: str) -> None:
+    """Delete one shard folder; a failure here must not hide the error that led to it."""
+    fs, path = url_to_fs(join(out, folder))
+    try:
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except OSError:
+        pass
+
+
+def _remove_previous(out: str, keep: str) -> None:
+    """After the new manifest is in place: delete the shard folders and loose shard files of
+    earlier prepares (nothing else in `out` is ours to delete)."""
+    fs, path = url_to_fs(out)
+    for entry in _entries(fs, path):
+        name = entry.rsplit("/", 1)[-1]
+        if _SHARD_DIR.match(name) and name != keep:
+            fs.rm(entry, recursive=True)
+        elif _OWN_FILE.match(name):
             fs.rm_file(entry)
 
 
@@ -283,9 +313,52 @@ def prepare_dataset(
             for ids in _encoded(tok, _documents(files, max_bytes))
             if len(ids)
         )
-    _clear_previous(out)
+    fs, root = url_to_fs(out)
+    folder = _new_folder()
+    try:
+        fs.makedirs(join(root, folder), exist_ok=True)
+        splits = _write_splits(out, folder, dtype, shard_tokens, fields, docs, val_fraction)
+        if splits is None:
+            raise DataError(
+                f"the inputs {inputs} matched {len(files)} files but they hold no text; point the "
+                "inputs at non-empty text or .jsonl files (the dataset already in "
+                f"{out}, if any, is unchanged)"
+            )
+        source = SourceInfo(
+            inputs=list(inputs),
+            files=len(files),
+            val_fraction=val_fraction,
+            max_bytes=max_bytes,
+            shard_tokens=shard_tokens,
+        )
+        manifest = _manifest(tok, tokenizer, dtype, format, splits, source)
+        write_manifest(manifest, join(out, "manifest.json"))  # the commit point
+    except OSError as e:  # a full disk, an I/O error, a failing bucket: nothing was swapped in
+        _remove_folder(out, folder)
+        raise StorageFaultError(
+            f"cannot write the dataset to {out}: {e.strerror or e}; free space or fix the "
+            "storage and run the prepare again (the dataset already there, if any, is unchanged)"
+        ) from e
+    except BaseException:
+        _remove_folder(out, folder)
+        raise
+    _remove_previous(out, keep=folder)
+    return manifest.with_root(out.rstrip("/") or out)
+
+
+def _write_splits(
+    out: str,
+    folder: str,
+    dtype: str,
+    shard_tokens: int,
+    fields: dict[str, str],
+    docs: Iterator[Rollout],
+    val_fraction: float,
+) -> Splits | None:
+    """The splits' shards and offsets under out/folder; None when the input held no document."""
     writers = {
-        n: _SplitWriter(out, n, dtype, shard_tokens, fields) for n in ("train", "validation")
+        n: _SplitWriter(out, folder, n, dtype, shard_tokens, fields)
+        for n in ("train", "validation")
     }
     every = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
     kept = 0
@@ -294,11 +367,18 @@ def prepare_dataset(
         writers[split].add(doc.tokens, doc.values)
         kept += 1
     if kept == 0:
-        raise DataError(
-            f"the inputs {inputs} matched {len(files)} files but they hold no text; point the "
-            "inputs at non-empty text or .jsonl files"
-        )
-    splits = Splits(train=writers["train"].finish(), validation=writers["validation"].finish())
+        return None
+    return Splits(train=writers["train"].finish(), validation=writers["validation"].finish())
+
+
+def _manifest(
+    tok: Tokenizer,
+    tokenizer: str,
+    dtype: str,
+    format: str,
+    splits: Splits,
+    source: SourceInfo,
+) -> Manifest:
     draft = Manifest(
         tokenizer=TokenizerInfo(
             id=tok.id, kind=tok.kind, vocab_size=tok.vocab_size, eos_id=tok.eos_id, source=tokenizer
@@ -310,17 +390,9 @@ def prepare_dataset(
         total_documents=splits.train.documents + splits.validation.documents,
         max_token_id=max(splits.train.max_token_id, splits.validation.max_token_id),
         fingerprint="",
-        source=SourceInfo(
-            inputs=list(inputs),
-            files=len(files),
-            val_fraction=val_fraction,
-            max_bytes=max_bytes,
-            shard_tokens=shard_tokens,
-        ),
+        source=source,
     )
-    manifest = draft.model_copy(update={"fingerprint": compute_fingerprint(draft)})
-    write_manifest(manifest, join(out, "manifest.json"))
-    return manifest.with_root(out.rstrip("/") or out)
+    return draft.model_copy(update={"fingerprint": compute_fingerprint(draft)})
 
 
 def ensure_manifest(cfg: DataConfig, *, is_writer: bool = True) -> Manifest:

@@ -21,7 +21,7 @@ from jobspec.run_config import RunConfig
 from jobspec.storage import RetryPolicy, configure_gcs_env, join
 from runtime.data.loader import TokenBatches, check_for_run, train_batches
 from runtime.data.prepare import ensure_manifest
-from runtime.host import boot
+from runtime.host import boot, startup
 from runtime.host.coordination import HostWatchdog, StopAgreement
 from runtime.model.build import build_model
 from runtime.model.sharding import batch_sharding, build_mesh
@@ -284,6 +284,7 @@ def _train(
         )
     info = boot.current()
     stop = StopAgreement(run_id=cfg.run.id, attempt=info.attempt if info else 0)
+    startup.end()  # from here the agreement below owns SIGTERM/SIGINT
     stop.install()
     watchdog = HostWatchdog(
         timeout_s=cfg.runtime.host_loss_timeout_s,

@@ -75,6 +75,7 @@ class _Sink:
         self._closing = False
         self._ends_line = True  # whether the last byte accepted was a newline (for the marker)
         self._gap_bytes = self._gap_lines = 0  # dropped since the last accepted chunk
+        self._gap_reason = ""
         self._lost_bytes = self._lost_lines = 0  # dropped during the current outage
         self._error: str | None = None  # the current outage's reason
         self._failures = 0
@@ -85,8 +86,11 @@ class _Sink:
     def put(self, chunk: bytes) -> None:
         """Queue `chunk`; never blocks on the destination."""
         with self._cond:
-            if len(self._buf) + len(chunk) > self._limit:
+            # Once dropping, drop until the backlog is written: one gap (one marker) per outage.
+            if len(self._buf) + len(chunk) > self._limit or (self._gap_bytes and self._buf):
                 lines = chunk.count(b"\n")
+                if not self._gap_bytes:
+                    self._gap_reason = self._error or "it stalled"
                 self._gap_bytes += len(chunk)
                 self._gap_lines += lines
                 self._lost_bytes += len(chunk)
@@ -103,7 +107,7 @@ class _Sink:
         lead = "" if self._ends_line else "\n"
         text = (
             f"{lead}[jaxjob: {self._gap_lines} lines ({self._gap_bytes} bytes) of output were "
-            f"dropped here: {self.what} could not be written ({self._error or 'it stalled'})]\n"
+            f"dropped here: {self.what} could not be written ({self._gap_reason})]\n"
         )
         self._gap_bytes = self._gap_lines = 0
         return text.encode()

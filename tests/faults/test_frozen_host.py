@@ -135,9 +135,10 @@ def test_vanished_or_stalled_terminal_never_blocks(tmp_path):
     assert log.rstrip().endswith("the end")
 
 
+@pytest.mark.slow
 def test_one_hosts_full_log_disk_does_not_stop_training(small_fs, tmp_path, prepared):
     """Before the fix the tee thread died on ENOSPC and the job froze once the pipe filled."""
-    steps = 6
+    steps = 4
 
     def run(name: str, full_log: bool) -> list[float]:
         over = {"mesh": {"data": 2}, "training": {"target_tokens": 16 * 8 * steps},
@@ -170,8 +171,9 @@ def test_one_hosts_full_log_disk_does_not_stop_training(small_fs, tmp_path, prep
     assert run("full", True) == run("clean", False)
 
 
+@pytest.mark.slow
 def test_frozen_writer_ends_the_attempt_with_43_and_the_job_restarts(tmp_path, prepared, state):
-    timeout_s, steps = 5, 14
+    timeout_s, steps = 5, 10
     job = write_job(
         tmp_path, prepared, "frozen", steps=steps, checkpoint={"every": 2, "keep": 2},
         runtime={"host_loss_timeout_s": timeout_s, "boot_timeout_s": 60},

@@ -77,7 +77,8 @@ class _Sink:
         self._gap_bytes = self._gap_lines = 0  # dropped since the last accepted chunk
         self._gap_reason = ""
         self._lost_bytes = self._lost_lines = 0  # dropped during the current outage
-        self._error: str | None = None  # the current outage's reason
+        self._error: str | None = None  # why the destination fails, while it does
+        self._outage = False  # from the first failure or drop until the backlog is written
         self._failures = 0
         self.dropped_bytes = 0  # over the sink's life
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"hostlog-{what}")
@@ -85,23 +86,32 @@ class _Sink:
 
     def put(self, chunk: bytes) -> None:
         """Queue `chunk`; never blocks on the destination."""
+        stalled = False
         with self._cond:
             # Once dropping, drop until the backlog is written: one gap (one marker) per outage.
             if len(self._buf) + len(chunk) > self._limit or (self._gap_bytes and self._buf):
                 lines = chunk.count(b"\n")
                 if not self._gap_bytes:
-                    self._gap_reason = self._error or "it stalled"
+                    self._gap_reason = self._error or "it was not taking output"
+                # A destination that blocks rather than fails (a terminal nobody reads, a hung
+                # mount) starts its outage here; one that fails started it in _failed.
+                stalled = not self._outage
+                self._outage = True
                 self._gap_bytes += len(chunk)
                 self._gap_lines += lines
                 self._lost_bytes += len(chunk)
                 self._lost_lines += lines
                 self.dropped_bytes += len(chunk)
-                return
-            if self._gap_bytes:
-                self._buf += self._marker()
-            self._buf += chunk
-            self._ends_line = chunk.endswith(b"\n")
-            self._cond.notify()
+            else:
+                if self._gap_bytes:
+                    self._buf += self._marker()
+                self._buf += chunk
+                self._ends_line = chunk.endswith(b"\n")
+                self._cond.notify()
+        if stalled:  # outside the lock: warn puts into another sink, whose put may warn back
+            self._warn(
+                f"warning: {self.what} is not taking output; dropping log lines until it does"
+            )
 
     def _marker(self) -> bytes:
         lead = "" if self._ends_line else "\n"
@@ -132,7 +142,7 @@ class _Sink:
                 continue
             with self._cond:
                 del self._buf[:n]
-                recovered = self._error is not None and not self._buf
+                recovered = self._outage and not self._buf
             if recovered:
                 self._recovered()
 
@@ -140,6 +150,9 @@ class _Sink:
         self._failures += 1
         if self._error is None:
             self._error = _reason(e)
+        with self._cond:
+            started, self._outage = not self._outage, True
+        if started:
             self._warn(
                 f"warning: cannot write {self.what}: {self._error}; dropping log lines until "
                 "it can be written"
@@ -149,7 +162,7 @@ class _Sink:
         with self._cond:
             lost_b, lost_l = self._lost_bytes, self._lost_lines
             self._lost_bytes = self._lost_lines = 0
-            self._error, self._failures = None, 0
+            self._error, self._failures, self._outage = None, 0, False
         self._warn(
             f"{self.what} can be written again; {lost_l} lines ({lost_b} bytes) were dropped "
             "while it could not"

@@ -202,7 +202,11 @@ def test_frozen_writer_ends_the_attempt_with_43_and_the_job_restarts(tmp_path, p
     os.replace(metrics / "rows", metrics / "train.jsonl")  # the disk "comes back" for attempt 1
     first = supervisor_state(state, run_id)["attempts"][0]
     assert first["outcome"] == "restart" and "exit 43" in first["detail"], first
-    assert first["returncodes"] == [43, 43], first
+    # Every host exits 43 by its own watchdog, except that a host may first be aborted by JAX
+    # (a signal death, restartable too) when the stalled host was host 0, whose exit takes the
+    # coordination service with it.
+    codes = first["returncodes"]
+    assert 43 in codes and all(c == 43 or c < 0 for c in codes), first
     assert took < timeout_s + 20, f"the attempt needed {took:.0f} s to end"
     logs = state / "jaxjob" / "runs" / run_id / "logs" / "attempt-0"
     writer = int((logs / "host-0.log").read_text().split("writer is host ")[1].split()[0])
@@ -211,10 +215,11 @@ def test_frozen_writer_ends_the_attempt_with_43_and_the_job_restarts(tmp_path, p
         f"error: this host (host {writer} of 2) stopped advancing: no progress past step"
         in (logs / f"host-{writer}.log").read_text()
     )
-    assert (
-        f"error: host {writer} of 2 stopped advancing: no progress past step"
-        in (logs / f"host-{other}.log").read_text()
-    )
+    if codes[other] == 43:
+        assert (
+            f"error: host {writer} of 2 stopped advancing: no progress past step"
+            in (logs / f"host-{other}.log").read_text()
+        )
 
     final = wait_for(
         lambda: (s := status(run_id, state))["state"] in ("succeeded", "failed") and s,

@@ -338,7 +338,9 @@ class RuntimeConfig(Section):
         300, description="Seconds a host waits for the coordinator (process 0) before giving up."
     )
     host_loss_timeout_s: PositiveInt = Field(
-        60, description="Seconds without a peer's heartbeat before the other hosts exit."
+        60,
+        description="Seconds without a peer's heartbeat, or without a host's progress while "
+        "stepping, before the hosts exit 43; keep it above the longest training step.",
     )
     storage_retry_s: PositiveFloat = Field(
         120.0,

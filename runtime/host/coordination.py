@@ -1,4 +1,4 @@
-"""Coordinated stop on a signal, and exit rather than hang when a peer host dies.
+"""Coordinated stop on a signal, and exit rather than hang when a host dies or stops advancing.
 
 What jax 0.10.2 does on CPU/gloo, seen here, and what these classes add:
 
@@ -16,6 +16,12 @@ What jax 0.10.2 does on CPU/gloo, seen here, and what these classes add:
   detected fatal errors ... Task 1 heartbeat timeout"). A peer that hangs (no TCP reset) leaves
   the collective blocked until that same abort. HostWatchdog exits first, with a sentence naming
   the host, as long as its timeout is below boot's heartbeat_timeout_s.
+* A host whose process lives but whose training does not move (its main thread blocked on a
+  hung file system, a FIFO, a full pipe) keeps JAX's heartbeat and ours going, and its peers
+  block in the next collective for ever. So the heartbeat carries the loop's progress and
+  HostWatchdog declares the host furthest behind stalled once it has not moved for the timeout
+  in the stepping phase (the rule is in its docstring); every host, the stalled one included,
+  exits EXIT_HOST_LOST with a sentence naming it.
 * Process 0 killed: it hosts the coordination service, and every survivor is aborted by JAX
   within a fraction of a second (exit 134); nothing in Python runs first. The watchdog covers the
   case where the service stops answering without closing its sockets (a frozen or lost host 0).
@@ -23,12 +29,14 @@ What jax 0.10.2 does on CPU/gloo, seen here, and what these classes add:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -120,13 +128,62 @@ class StopAgreement:
         self._previous.clear()
 
 
-class HostWatchdog:
-    """Exit with EXIT_HOST_LOST when a peer host stops heartbeating, instead of hanging.
+# The phases of a host's loop. Only "step" is judged for stalls: the others may legitimately
+# take long (the first step's compile, an eval with its own compile, a save, the final save).
+JUDGED_PHASES = frozenset({"step"})
+_PENDING_OUTPUTS = 64  # dispatched steps whose outputs the beat thread watches for completion
 
-    Every host writes `jaxjob/<run>/heartbeat/<attempt>/<i>` (a counter) every `interval_s` from a
-    daemon thread, reads all the others' in one call, and a second thread, which never blocks on
-    the network, judges staleness on the local monotonic clock (no clock-skew assumptions). A
-    host that finished calls `mark_done()` (value "done") and is never reported. Keep
+
+@dataclass
+class _View:
+    """What one host last said (or, for this host, what it knows first-hand)."""
+
+    phase: str = "start"
+    step: int = -1
+    seq: int = 0  # the n-th progress call within `step`: the same program point on every host
+    moves: int = 0
+    moved_at: float = 0.0  # local monotonic time `moves` last changed
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.step, self.seq)
+
+
+def stalled_hosts(views: dict[int, _View], now: float, timeout_s: float) -> list[int]:
+    """The hosts whose training stopped advancing, by the rule in HostWatchdog's docstring."""
+    if not views:
+        return []
+    behind = min(v.position for v in views.values())
+    last = [i for i, v in sorted(views.items()) if v.position == behind]
+    if all(views[i].phase in JUDGED_PHASES and now - views[i].moved_at > timeout_s for i in last):
+        return last
+    return []
+
+
+class HostWatchdog:
+    """Exit with EXIT_HOST_LOST when a peer host dies *or stops advancing*, instead of hanging.
+
+    Every host writes `jaxjob/<run>/heartbeat/<attempt>/<i>` every `interval_s` from a daemon
+    thread, reads all the others' in one call, and a second thread, which never blocks on the
+    network, judges on the local monotonic clock (no clock-skew assumptions):
+
+    * Dead: a peer whose heartbeat has not changed for `timeout_s` (or, seen from another host,
+      host 0's coordination service not answering) is lost.
+    * Stalled: the heartbeat carries the host loop's progress. The loop calls `progress(step,
+      phase, outputs)` at program points every host passes in the same order (after each step
+      is dispatched, before an eval, before a save, back to stepping); the n-th call within a
+      step gives every host the same *position* (step, n). A host *moves* when it makes such a
+      call or when the device finishes a step it dispatched (its outputs become ready), so a
+      host whose main thread waits for the device is still moving while the device works. The
+      hosts at the lowest position are the ones everybody else waits for (the others have
+      passed that point and then block in a collective that needs them). They are declared
+      stalled when each of them has not moved for `timeout_s` and each is in the "step" phase;
+      phases that may take long for good reasons ("start" until the first step's compile is
+      done, "eval", "checkpoint", "finish") are not judged. Every host applies the rule to the
+      same views, its own included, so the stalled host exits by itself and its peers name it.
+      Hence `timeout_s` must exceed the longest training step.
+
+    A host that finished calls `mark_done()` (value "done") and is never reported. Keep
     `timeout_s` below boot's `heartbeat_timeout_s`, or JAX's abort comes first.
     """
 
@@ -150,6 +207,10 @@ class HostWatchdog:
         self._done_peers: set[int] = set()
         self._last_value: dict[int, str] = {}
         self._last_change: dict[int, float] = {}
+        self._views: dict[int, _View] = {}
+        self._mine = _View(moved_at=time.monotonic())
+        self._lock = threading.Lock()  # guards _mine and _outputs
+        self._outputs: deque[Any] = deque(maxlen=_PENDING_OUTPUTS)
         self._service_ok = 0.0
         self._threads: list[threading.Thread] = []
         self._me, self._n = 0, 1
@@ -161,10 +222,53 @@ class HostWatchdog:
         now = time.monotonic()
         self._service_ok = now
         self._last_change = {i: now for i in range(self._n) if i != self._me}
+        self._views = {i: _View(moved_at=now) for i in range(self._n) if i != self._me}
+        with self._lock:
+            self._mine.moved_at = now
         for target, name in ((self._beat, "beat"), (self._watch, "watch")):
             t = threading.Thread(target=target, name=f"jaxjob-watchdog-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+
+    def progress(self, step: int, phase: str = "step", outputs: Any = None) -> None:
+        """Called by the host loop at points every host passes in the same order: `step` is the
+        last step dispatched, `phase` what the host does until the next call ("step" is judged
+        for stalls, the others are not), `outputs` that step's device outputs (any pytree of
+        jax arrays): the device finishing them counts as progress too. Cheap; never blocks."""
+        with self._lock:
+            m = self._mine
+            m.seq = m.seq + 1 if step == m.step else 0
+            m.step, m.phase = step, phase
+            m.moves += 1
+            m.moved_at = time.monotonic()
+            if outputs is not None:
+                self._outputs.append(outputs)
+
+    def _device_moved(self) -> None:
+        """Count steps whose outputs became ready since the last look (never waits for them)."""
+        import jax
+
+        with self._lock:
+            ready = 0
+            while self._outputs:
+                leaves = jax.tree.leaves(self._outputs[0])
+                try:
+                    done = all(x.is_ready() for x in leaves if hasattr(x, "is_ready"))
+                except Exception:  # deleted or failed: nothing more will come of it
+                    done = True
+                if not done:
+                    break
+                self._outputs.popleft()
+                ready += 1
+            if ready:
+                self._mine.moves += 1
+                self._mine.moved_at = time.monotonic()
+
+    def _my_value(self, count: int) -> str:
+        with self._lock:
+            m = self._mine
+            return json.dumps({"beat": count, "phase": m.phase, "step": m.step, "seq": m.seq,
+                               "moves": m.moves})  # fmt: skip
 
     def _beat(self) -> None:
         count = 0
@@ -173,10 +277,14 @@ class HostWatchdog:
             if client is None:
                 return  # jax.distributed was shut down
             try:
+                self._device_moved()
+            except Exception:  # a readiness probe must never stop the heartbeat
+                pass
+            try:
                 if not self._done:
                     count += 1
                     client.key_value_set(
-                        f"{self.prefix}{self._me}", str(count), allow_overwrite=True
+                        f"{self.prefix}{self._me}", self._my_value(count), allow_overwrite=True
                     )
                 entries = client.key_value_dir_get(self.prefix)
             except Exception:  # unreachable service: the watch thread judges it
@@ -185,12 +293,25 @@ class HostWatchdog:
                 now = time.monotonic()
                 self._service_ok = now
                 for key, value in entries:
-                    peer = int(key.rsplit("/", 1)[-1])
-                    if value == "done":
-                        self._done_peers.add(peer)
-                    if self._last_value.get(peer) != value:
-                        self._last_value[peer], self._last_change[peer] = value, now
+                    self._seen(int(key.rsplit("/", 1)[-1]), value, now)
             self._stop.wait(self.interval_s)
+
+    def _seen(self, peer: int, value: str, now: float) -> None:
+        if peer == self._me:
+            return
+        if value == "done":
+            self._done_peers.add(peer)
+        if self._last_value.get(peer) == value:
+            return
+        self._last_value[peer], self._last_change[peer] = value, now
+        try:
+            said = json.loads(value)
+            view = self._views.setdefault(peer, _View(moved_at=now))
+            if said["moves"] != view.moves:
+                view.moves, view.moved_at = said["moves"], now
+            view.phase, view.step, view.seq = said["phase"], said["step"], said["seq"]
+        except (ValueError, KeyError, TypeError):  # "done", or a bare counter
+            pass
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.interval_s / 2)):
@@ -205,6 +326,43 @@ class HostWatchdog:
                 # Process 0 hosts the coordination service: it not answering means host 0 is gone.
                 self._declare(0, "its coordination service did not answer")
                 return
+            if not self._done and self._judge_progress(now):
+                return
+
+    def _judge_progress(self, now: float) -> bool:
+        with self._lock:
+            mine = _View(**vars(self._mine))
+        views = {i: v for i, v in self._views.items() if i not in self._done_peers}
+        # Only among live hosts: a peer whose heartbeat went quiet is the dead-host rule's (its
+        # progress stops a little before its heartbeat does, and that must not read as a stall).
+        fresh_s = 3 * self.interval_s + 1.0
+        if any(now - self._last_change.get(i, now) > fresh_s for i in views):
+            return False
+        views[self._me] = mine
+        stalled = stalled_hosts(views, now, self.timeout_s)
+        if not stalled:
+            return False
+        step = views[stalled[0]].step
+        t = f"{self.timeout_s:g} s"
+        if len(stalled) > 1:
+            names = ", ".join(str(i) for i in stalled)
+            message = (
+                f"hosts {names} of {self._n} stopped advancing together at step {step} (no "
+                f"progress for {t}: a collective that never completes?); exiting"
+            )
+        elif stalled[0] == self._me:
+            message = (
+                f"this host (host {self._me} of {self._n}) stopped advancing: no progress past "
+                f"step {step} for {t} while training (its main thread is stuck); exiting"
+            )
+        else:
+            message = (
+                f"host {stalled[0]} of {self._n} stopped advancing: no progress past step "
+                f"{step} for {t} while its heartbeat went on; exiting"
+            )
+        self.lost = stalled[0]
+        self.on_lost(message)
+        return True
 
     def _declare(self, peer: int, why: str) -> None:
         self.lost = peer
@@ -230,9 +388,12 @@ class HostWatchdog:
 
         if not self._threads or isinstance(exc, JaxjobError | KeyboardInterrupt | SystemExit):
             return
+        with self._lock:  # waiting here is no stall; what the host does after it is judged again
+            phase, self._mine.phase = self._mine.phase, "failing"
         deadline = time.monotonic() + (wait_s if wait_s is not None else self.timeout_s + 5)
         while self.lost is None and time.monotonic() < deadline and not self._stop.is_set():
             time.sleep(0.2)
+        self.progress(self._mine.step, phase)
 
     def stop(self) -> None:
         self._stop.set()
@@ -243,5 +404,10 @@ class HostWatchdog:
 
 
 def _exit_host_lost(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    # Straight to fd 2, not through sys.stderr: a main thread stuck inside a write to it would
+    # hold its lock. The tee's pump always drains fd 2, so this write does not block.
+    try:
+        os.write(2, f"error: {message}\n".encode())
+    except OSError:
+        pass
     hostlog.hard_exit(EXIT_HOST_LOST)

@@ -4,6 +4,15 @@ Pods and their logs vanish on a JobSet restart or TTL; the run's own storage kee
 `launch logs` works afterwards. The tee works at the file-descriptor level, so output of C++
 libraries (XLA, gloo) is kept too. Locally the log is appended as it comes; on object stores
 (no append) the whole object is rewritten every few seconds and at exit.
+
+A host never blocks on its own log. Fds 1 and 2 become pipes, and one pump thread per pipe only
+reads and hands each chunk to *sinks* (the original stdout/stderr and the log file), each
+written by a thread of its own. A sink whose destination fails (ENOSPC, EIO, a vanished reader:
+EPIPE) or stalls (a terminal nobody reads) keeps up to a bound of unwritten bytes, retries, and
+drops what does not fit, counting it; so the pipes always drain and a `print` never waits on a
+disk. The first failure of an outage is said once on the original stderr ("warning: cannot
+write host log ...: No space left on device; dropping log lines until it can be written"), the
+recovery once with what was lost, and the log itself gets a marker line where lines are missing.
 """
 
 from __future__ import annotations
@@ -13,23 +22,163 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from jobspec.storage import PART_BYTES, is_remote, join, part_path, url_to_fs
 
 FLUSH_EVERY_S = 5.0
+# Bytes a sink holds while its destination fails or stalls; output beyond that is dropped (and
+# counted) rather than kept in memory without bound or allowed to block the pumps.
+LOG_DEFER_BYTES = 1 << 20
+TERMINAL_DEFER_BYTES = 1 << 20
+RETRY_S = (0.2, 1.0, 2.0, 5.0)  # waits between retries of a failing destination
+CLOSE_TIMEOUT_S = 5.0  # longest close() waits for sinks to drain (a stuck disk must not hang exit)
+UPLOAD_CLOSE_TIMEOUT_S = 60.0  # the last upload of a normal exit (not a hard exit) may take longer
 _active: list[HostLogTee] = []
 
 
 def hard_exit(code: int) -> None:
     """os._exit for paths that must not wait for Python's shutdown (a lost host, a cluster that
-    never formed): drain the tee first, so the last message reaches the terminal and the log."""
+    never formed): drain the tee first (bounded in time), so the last message reaches the
+    terminal and the log even when the main thread is stuck."""
     for tee in list(_active):
-        tee.close()
+        tee.close(timeout=CLOSE_TIMEOUT_S)
     os._exit(code)
 
 
 def log_uri(run_root: str, attempt: int, process_index: int) -> str:
     return join(run_root, f"logs/attempt-{attempt}/host-{process_index}.log")
+
+
+def _reason(e: OSError) -> str:
+    return e.strerror or str(e) or type(e).__name__
+
+
+class _Sink:
+    """Bytes bound for one destination, written by a daemon thread of its own.
+
+    `write(data)` writes a prefix of `data` and returns its length, or raises OSError. While it
+    fails, up to `limit` bytes wait and are retried; chunks that do not fit are dropped whole and
+    counted, and a marker line takes their place once writing resumes. `warn` gets one sentence
+    when an outage starts and one when it ends; it must not block.
+    """
+
+    def __init__(
+        self, what: str, write: Callable[[bytes], int], limit: int, warn: Callable[[str], None]
+    ) -> None:
+        self.what = what
+        self._write = write
+        self._limit = limit
+        self._warn = warn
+        self._buf = bytearray()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._ends_line = True  # whether the last byte accepted was a newline (for the marker)
+        self._gap_bytes = self._gap_lines = 0  # dropped since the last accepted chunk
+        self._gap_reason = ""
+        self._lost_bytes = self._lost_lines = 0  # dropped during the current outage
+        self._error: str | None = None  # why the destination fails, while it does
+        self._outage = False  # from the first failure or drop until the backlog is written
+        self._failures = 0
+        self.dropped_bytes = 0  # over the sink's life
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"hostlog-{what}")
+        self._thread.start()
+
+    def put(self, chunk: bytes) -> None:
+        """Queue `chunk`; never blocks on the destination."""
+        stalled = False
+        with self._cond:
+            # Once dropping, drop until the backlog is written: one gap (one marker) per outage.
+            if len(self._buf) + len(chunk) > self._limit or (self._gap_bytes and self._buf):
+                lines = chunk.count(b"\n")
+                if not self._gap_bytes:
+                    self._gap_reason = self._error or "it was not taking output"
+                # A destination that blocks rather than fails (a terminal nobody reads, a hung
+                # mount) starts its outage here; one that fails started it in _failed.
+                stalled = not self._outage
+                self._outage = True
+                self._gap_bytes += len(chunk)
+                self._gap_lines += lines
+                self._lost_bytes += len(chunk)
+                self._lost_lines += lines
+                self.dropped_bytes += len(chunk)
+            else:
+                if self._gap_bytes:
+                    self._buf += self._marker()
+                self._buf += chunk
+                self._ends_line = chunk.endswith(b"\n")
+                self._cond.notify()
+        if stalled:  # outside the lock: warn puts into another sink, whose put may warn back
+            self._warn(
+                f"warning: {self.what} is not taking output; dropping log lines until it does"
+            )
+
+    def _marker(self) -> bytes:
+        lead = "" if self._ends_line else "\n"
+        text = (
+            f"{lead}[jaxjob: {self._gap_lines} lines ({self._gap_bytes} bytes) of output were "
+            f"dropped here: {self.what} could not be written ({self._gap_reason})]\n"
+        )
+        self._gap_bytes = self._gap_lines = 0
+        return text.encode()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._buf and not self._closing:
+                    self._cond.wait()
+                if not self._buf:
+                    return  # closing and drained
+                data = bytes(self._buf)
+                closing = self._closing
+            try:
+                n = self._write(data)
+            except OSError as e:
+                self._failed(e)
+                if closing:
+                    return  # no retries while the process ends: what is left is dropped
+                with self._cond:
+                    self._cond.wait(RETRY_S[min(self._failures - 1, len(RETRY_S) - 1)])
+                continue
+            with self._cond:
+                del self._buf[:n]
+                recovered = self._outage and not self._buf
+            if recovered:
+                self._recovered()
+
+    def _failed(self, e: OSError) -> None:
+        self._failures += 1
+        if self._error is None:
+            self._error = _reason(e)
+        with self._cond:
+            started, self._outage = not self._outage, True
+        if started:
+            self._warn(
+                f"warning: cannot write {self.what}: {self._error}; dropping log lines until "
+                "it can be written"
+            )
+
+    def _recovered(self) -> None:
+        with self._cond:
+            lost_b, lost_l = self._lost_bytes, self._lost_lines
+            self._lost_bytes = self._lost_lines = 0
+            self._error, self._failures, self._outage = None, 0, False
+        self._warn(
+            f"{self.what} can be written again; {lost_l} lines ({lost_b} bytes) were dropped "
+            "while it could not"
+        )
+
+    def close(self, deadline: float) -> None:
+        """Write what is queued (one try each if the destination still fails), then stop;
+        returns by `deadline` (time.monotonic()) even if the destination blocks."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _write_fd(fd: int) -> Callable[[bytes], int]:
+    return lambda data: os.write(fd, data)
 
 
 class HostLogTee:
@@ -40,55 +189,100 @@ class HostLogTee:
         self.fs, self.path = url_to_fs(uri)
         self.remote = is_remote(uri)
         self._buf = bytearray()
-        self._lock = threading.Lock()  # guards _buf, _local and _last_flush
+        self._lock = threading.Lock()  # guards _buf and _last_flush
         self._upload_lock = threading.Lock()  # one upload at a time, each of a newer snapshot
         self._uploaded = -1  # length of _buf the last successful upload held (-1: none yet)
         self._threads: list[threading.Thread] = []
         self._last_flush = time.monotonic()
-        self._local = None
+        self._fd: int | None = None  # the local log file, opened by its sink's thread
         self._originals: dict[int, int] = {}
+        self._terminal: dict[int, _Sink] = {}
+        self._log: _Sink | None = None
+        self._flush_now = threading.Event()
+        self._closing = threading.Event()
+        self._flusher: threading.Thread | None = None
         self._closed = False
 
     def start(self) -> HostLogTee:
-        self.fs.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        if not self.remote:
-            self._local = open(self.path, "ab", buffering=0)  # noqa: SIM115 - kept open for the run
+        if self.remote:
+            self.fs.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         for fd in (1, 2):
-            original = os.dup(fd)
-            self._originals[fd] = original
+            self._originals[fd] = os.dup(fd)
+        # A failing terminal is said in the log; a failing log on the original stderr.
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            self._terminal[fd] = _Sink(
+                f"the original {name}", _write_fd(self._originals[fd]),
+                TERMINAL_DEFER_BYTES, self._note_in_log,
+            )  # fmt: skip
+        if self.remote:
+            self._flusher = threading.Thread(
+                target=self._flush_loop, daemon=True, name="hostlog-upload"
+            )
+            self._flusher.start()
+        else:
+            self._log = _Sink(
+                f"host log {self.path}", self._write_local, LOG_DEFER_BYTES, self._note_on_stderr
+            )
+        for fd in (1, 2):
             r, w = os.pipe()
             os.dup2(w, fd)
             os.close(w)
-            t = threading.Thread(
-                target=self._pump, args=(r, original), daemon=True, name=f"tee-{fd}"
-            )
+            t = threading.Thread(target=self._pump, args=(r, fd), daemon=True, name=f"tee-{fd}")
             t.start()
             self._threads.append(t)
         atexit.register(self.close)
         _active.append(self)
         return self
 
-    def _pump(self, r: int, original: int) -> None:
+    def _note_on_stderr(self, line: str) -> None:
+        self._terminal[2].put(f"{line}\n".encode())
+
+    def _note_in_log(self, line: str) -> None:
+        if self._log is not None:
+            self._log.put(f"{line}\n".encode())
+        else:
+            with self._lock:
+                self._buf.extend(f"{line}\n".encode())
+
+    def _write_local(self, data: bytes) -> int:
+        # Opened lazily and retried like a write: a log directory that cannot be created yet
+        # (a full disk) is the same outage as a write that fails.
+        if self._fd is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return os.write(self._fd, data)
+
+    def _pump(self, r: int, fd: int) -> None:
+        """Read one pipe until EOF; hands each chunk on and never waits on a destination."""
+        terminal = self._terminal[fd]
         while True:
             try:
                 chunk = os.read(r, 65536)
             except OSError:
-                return
+                break
             if not chunk:
-                return
-            os.write(original, chunk)
-            due = False
-            with self._lock:
-                if self._local is not None:
-                    self._local.write(chunk)
-                else:
+                break
+            terminal.put(chunk)
+            if self._log is not None:
+                self._log.put(chunk)
+            else:
+                with self._lock:
                     self._buf.extend(chunk)
-                    now = time.monotonic()
-                    if now - self._last_flush > FLUSH_EVERY_S:
-                        self._last_flush = now  # this pump uploads; the other one need not
-                        due = True
-            if due:  # outside the lock: the other pump keeps copying output meanwhile
-                self._flush_remote()
+                    if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
+                        self._flush_now.set()
+        os.close(r)
+
+    def _flush_loop(self) -> None:
+        """Uploads happen here, never in a pump: a slow or failing bucket must not block output."""
+        while not self._closing.is_set():
+            self._flush_now.wait(FLUSH_EVERY_S)
+            self._flush_now.clear()
+            if self._closing.is_set():
+                break
+            with self._lock:
+                self._last_flush = time.monotonic()
+            self._flush_remote()
+        self._flush_remote()  # the rest of the log, at close
 
     _part = 0  # the log part being written on an object store (see _flush_remote)
 
@@ -114,25 +308,42 @@ class HostLogTee:
                 self._part += 1
                 self._uploaded = 0
 
-    def close(self) -> None:
-        """Put the original fds back, drain the pipes, write the rest of the log."""
+    def close(self, timeout: float | None = None) -> None:
+        """Put the original fds back, drain the pipes, write the rest of the log; returns within
+        about `timeout` seconds (CLOSE_TIMEOUT_S by default) even if a destination is stuck."""
         if self._closed or not self._originals:
             return
         self._closed = True
+        deadline = time.monotonic() + (CLOSE_TIMEOUT_S if timeout is None else timeout)
         if self in _active:
             _active.remove(self)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        # Flushed from a helper thread: a main thread stuck inside a write to sys.stdout holds
+        # its lock, and hard_exit (from the watchdog) must not wait for it forever.
+        flusher = threading.Thread(target=_flush_std_streams, daemon=True)
+        flusher.start()
+        flusher.join(min(1.0, max(0.0, deadline - time.monotonic())))
         for fd, original in self._originals.items():
             os.dup2(original, fd)  # closes the pipe's write end: its pump sees EOF and ends
         for t in self._threads:
-            t.join(timeout=2.0)
-        with self._lock:
-            local, self._local = self._local, None
-        if local is not None:
-            local.close()
-        elif self.remote:
-            self._flush_remote()
+            # A child process that inherited the pipe keeps it open: do not wait for it forever.
+            t.join(max(0.0, min(2.0, deadline - time.monotonic())))
+        if self._log is not None:
+            self._log.close(deadline)
+        if self._flusher is not None:
+            self._closing.set()
+            self._flush_now.set()
+            wait = UPLOAD_CLOSE_TIMEOUT_S if timeout is None else deadline - time.monotonic()
+            self._flusher.join(max(0.0, wait))
+        for sink in self._terminal.values():
+            sink.close(deadline)
+        if self._fd is not None and (self._log is None or not self._log._thread.is_alive()):
+            os.close(self._fd)
+            self._fd = None
+
+
+def _flush_std_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass

@@ -294,8 +294,8 @@ def _train(
     watchdog.start()
     failed = False
     try:
-        status = _loop(run, stop, max_steps, emit, t_start)
-        result = _finish(run, status, stop, emit, t_start)
+        status = _loop(run, stop, watchdog, max_steps, emit, t_start)
+        result = _finish(run, status, stop, watchdog, emit, t_start)
         watchdog.mark_done()
         return result
     except BaseException as e:
@@ -313,11 +313,20 @@ def _train(
         ckpt.close(after_failure=failed)
 
 
-def _loop(run: Run, stop: StopAgreement, max_steps: int | None, emit, t_start: float) -> str:
+def _loop(
+    run: Run,
+    stop: StopAgreement,
+    watchdog: HostWatchdog,
+    max_steps: int | None,
+    emit,
+    t_start: float,
+) -> str:
     """Steps until the end, `max_steps` or an agreed stop; returns how it ended.
 
     The loop only says "a step is done": the artifacts decide when to write rows, the evaluator
-    when to evaluate, the checkpoint service when to save.
+    when to evaluate, the checkpoint service when to save. It tells the watchdog where it is at
+    points every host passes in the same order (the same `due` answers on every host), so a
+    host stuck between two of them is seen by its peers (coordination.HostWatchdog).
     """
     total_steps = run.cfg.training.total_steps
     end_step = total_steps if max_steps is None else min(total_steps, run.start_step + max_steps)
@@ -340,24 +349,34 @@ def _loop(run: Run, stop: StopAgreement, max_steps: int | None, emit, t_start: f
                     "first_step", step=step, seconds_since_start=time.perf_counter() - t_start
                 )
                 run.art.meter.mark(step)
+            # Stepping from here on: compile is over, a stall is judged.
+            watchdog.progress(step, outputs=m)
             run.ckpt.poll()
             stopping = stop.should_stop(step)  # every host agrees on the same step
             pause = run.evaluator.due(step) or run.ckpt.due(step)
             run.art.step_done(
                 step, m, item.provenance, emit, sync=pause or stopping or step == end_step
             )
+            if run.evaluator.due(step):
+                watchdog.progress(step, "eval")  # may be long: its own compile, many batches
             eval_metrics = run.evaluator.maybe_run(step, run.state, run.art, emit)
+            if run.ckpt.due(step):
+                watchdog.progress(step, "checkpoint")
             _save(run, eval_metrics)
             if pause:
+                watchdog.progress(step)  # back to stepping
                 run.art.meter.mark(step)  # eval and save time is not training throughput
             if stopping:
                 return "interrupted"
     return "completed" if run.step == total_steps else "stopped"
 
 
-def _finish(run: Run, status: str, stop: StopAgreement, emit, t_start: float) -> TrainResult:
+def _finish(
+    run: Run, status: str, stop: StopAgreement, watchdog: HostWatchdog, emit, t_start: float
+) -> TrainResult:
     """The one way a run ends: final evals, final save, wait for it, summary, exit code."""
     cfg, step = run.cfg, run.step
+    watchdog.progress(step, "finish")  # final evals and saves may be long: not judged
     extra: dict[str, Any] = {}
     save = status != "interrupted" or cfg.checkpoint.on_signal
     eval_metrics = (

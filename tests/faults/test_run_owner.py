@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from jobspec.errors import RunOwnedError
-from jobspec.storage import url_to_fs
+from jobspec.storage import parted_exists, read_parted, url_to_fs
 from runtime.run.owner import OwnerRecord, takeover_reason
 
 from runs import ROOT, run_cli, stderr_lines, tiny_config, write_config
@@ -141,8 +141,8 @@ def _wait_for_rows(root: str, rows: int, proc: subprocess.Popen, timeout: float 
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
         fs.invalidate_cache()
-        if fs.exists(f"{path}/metrics/train.jsonl"):
-            if len(fs.cat_file(f"{path}/metrics/train.jsonl").splitlines()) >= rows:
+        if parted_exists(fs, f"{path}/metrics/train.jsonl"):
+            if len(read_parted(fs, f"{path}/metrics/train.jsonl").splitlines()) >= rows:
                 return
         time.sleep(0.1)
     raise AssertionError("the first run logged no rows in time")
@@ -151,7 +151,7 @@ def _wait_for_rows(root: str, rows: int, proc: subprocess.Popen, timeout: float 
 def _losses(root: str) -> list[tuple[int, float]]:
     fs, path = url_to_fs(root)
     fs.invalidate_cache()
-    rows = [json.loads(x) for x in fs.cat_file(f"{path}/metrics/train.jsonl").splitlines()]
+    rows = [json.loads(x) for x in read_parted(fs, f"{path}/metrics/train.jsonl").splitlines()]
     return [(r["step"], r["loss"]) for r in rows]
 
 
@@ -193,7 +193,7 @@ def test_second_process_on_a_run_is_refused_and_changes_nothing(where, tmp_path,
     assert [step for step, _ in _losses(root)] == list(range(1, STEPS + 1))
     fs, path = url_to_fs(root)
     fs.invalidate_cache()
-    kinds = [json.loads(x)["event"] for x in fs.cat_file(f"{path}/events.jsonl").splitlines()]
+    kinds = [json.loads(x)["event"] for x in read_parted(fs, f"{path}/events.jsonl").splitlines()]
     assert kinds.count("start") == 1 and kinds.count("finish") == 1, kinds
     assert not fs.exists(f"{path}/owner.json")  # released at the end
 

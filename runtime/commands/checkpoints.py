@@ -46,8 +46,20 @@ def verify_checkpoints(run: str) -> dict[str, Any]:
 def rollback(run: str, step: int) -> dict[str, Any]:
     """Discard the checkpoints after `step` so that the next resume (`runtime local --resume`,
     or a launched job's auto-resume) continues from it; `step` itself is read first."""
+    from runtime.run import owner
     from runtime.run.artifacts import EVENTS, now
 
+    # Deleting checkpoints under a live run would pull its resume point away: claim the run
+    # first, exactly as training does (a live owner refuses this with one sentence).
+    owner.acquire(run, run_id=run.rstrip("/").rsplit("/", 1)[-1], submission_id=None,
+                  attempt=0, lease_s=60)  # fmt: skip
+    try:
+        return _rollback(run, step, EVENTS, now)
+    finally:
+        owner.release(run)
+
+
+def _rollback(run: str, step: int, EVENTS: str, now) -> dict[str, Any]:  # noqa: N803
     ckpt = _service(run, read_only=False)
     try:
         step = ckpt.resolve(step)

@@ -304,3 +304,17 @@ def test_every_host_of_a_refused_job_exits_with_the_owners_sentence(tmp_path, pr
             ln for ln in stderr_lines(r.stderr) if ln.startswith(want)
         ] and want in r.stderr, r.stderr
     assert sorted(p.name for p in root.iterdir()) == [".owner.lock", "owner.json"]
+
+
+def test_rollback_is_refused_while_the_run_has_a_live_owner(tmp_path):
+    """`runtime checkpoints rollback` deletes checkpoints: never under a live run."""
+    root = tmp_path / "t"
+    (root / "checkpoints").mkdir(parents=True)
+    live = _record(host="elsewhere", pid=1, renewed_epoch=time.time())
+    _write_record(str(root), live)
+    before = (root / "owner.json").read_bytes()
+    res = run_cli("checkpoints", "rollback", str(root), "--to-step", "5")
+    assert res.returncode == 2, res.stderr
+    lines = stderr_lines(res.stderr)
+    assert len(lines) == 1 and "in use by host elsewhere pid 1" in lines[0], lines
+    assert (root / "owner.json").read_bytes() == before

@@ -7,7 +7,7 @@ host with the env contract (a fresh coordinator port, JAXJOB_ATTEMPT=n), each wr
 `launch status` reads.
 
 Restart policy (what JobSet's failurePolicy does on a cluster): the first host to fail decides.
-A restartable exit (42, 43, 44) or a death by signal stops the others (SIGTERM, then SIGKILL
+A restartable exit (42-45, `jobspec.exit_codes.is_restartable`) or a death by signal stops the others (SIGTERM, then SIGKILL
 after a grace) and starts the whole group again, up to max_restarts times; the runtime resumes
 from the last committed checkpoint by itself. Any other non-zero exit (2: user error) fails the
 run. SIGTERM/SIGINT to the supervisor is a cancel: it forwards SIGTERM to every host (they

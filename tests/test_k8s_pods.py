@@ -42,6 +42,7 @@ def pod_metadata(jobset: dict, job_index: int, completion_index: int, restarts: 
     name = jobset["metadata"]["name"]
     added = {
         "jobset.sigs.k8s.io/jobset-name": name,
+        "jobset.sigs.k8s.io/jobset-uid": "8a6f3c1e-0000-4000-8000-000000000001",
         "jobset.sigs.k8s.io/replicatedjob-name": rjob["name"],
         "jobset.sigs.k8s.io/restart-attempt": str(restarts),
         "jobset.sigs.k8s.io/replicatedjob-replicas": str(rjob["replicas"]),

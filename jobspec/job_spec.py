@@ -16,17 +16,11 @@ from jobspec.catalogue import Accelerator, lookup
 from jobspec.errors import ConfigError
 from jobspec.names import check_k8s_names
 from jobspec.run_config import RunConfig, check_dns_label
-from jobspec.secrets import find_secrets, refusal
+from jobspec.secrets import find_secrets, refusal, secret_env_name
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` passes "NAME\n"
-# Names whose literal values would put a credential into the spec (and the rendered manifests).
-SECRET_NAME = re.compile(
-    r"(TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|CREDENTIAL|API_?KEY|PRIVATE_?KEY|ACCESS_?KEY"
-    r"|SESSION_?KEY|AUTH_?KEY)",
-    re.I,
-)
 # A Kubernetes resource quantity, as emptyDir sizeLimit takes it (e.g. 8Gi, 512Mi).
-QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")  # fullmatch
 RESERVED_ENV = ("JAXJOB_", "JAX_COORDINATOR", "JAX_PLATFORMS")
 
 
@@ -76,7 +70,7 @@ class K8sSection(Spec):
     @field_validator("shm_size", "scratch_size")
     @classmethod
     def _quantity(cls, v: str) -> str:
-        if not QUANTITY.match(v):
+        if not QUANTITY.fullmatch(v):
             raise ValueError(f"{v!r} is not a Kubernetes quantity; write it like 16Gi or 512Mi")
         return v
 
@@ -152,7 +146,7 @@ class JobSpec(Spec):
                 raise ValueError(f"{name!r} is not an environment variable name")
             if name.startswith(RESERVED_ENV):
                 raise ValueError(f"{name} is set by jaxjob itself (the env contract); remove it")
-            if isinstance(value, str) and SECRET_NAME.search(name):
+            if isinstance(value, str) and secret_env_name(name):
                 raise ValueError(
                     f"{name} looks like a secret but has a literal value; reference it instead: "
                     f"{name}: {{secret: SECRET_NAME, key: KEY}}"

@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from jobspec.errors import ConfigError
-from jobspec.job_spec import JobSpec
+from jobspec.job_spec import JobSpec, spec_yaml
 from jobspec.load import (
     describe_validation_error,
     merge,
@@ -29,7 +29,7 @@ class LoadedJob:
     spec: JobSpec
     run: RunConfig  # with the spec's output_uri and run.id = run_id applied
     run_toml: str  # the run config as the hosts will read it (cfg.toml): includes merged in
-    spec_yaml: str  # the job spec as given
+    spec_yaml: str  # the validated spec re-serialised (no comments): what backends embed
     path: Path
     run_id: str  # the run id every host will use
 
@@ -103,7 +103,7 @@ def _safe_load(text: str) -> object:
         loader.dispose()
 
 
-def _read_yaml(path: Path) -> tuple[str, dict]:
+def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: no such job spec file")
     size = path.stat().st_size
@@ -128,7 +128,7 @@ def _read_yaml(path: Path) -> tuple[str, dict]:
         raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a job spec is a mapping of keys (name, run, accelerator, …)")
-    return text, data
+    return data
 
 
 def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = None) -> LoadedJob:
@@ -137,7 +137,7 @@ def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = Non
     job without submitting it). A run config need not carry a run.id of its own. Its `include`
     files are merged in here, so `run_toml` is self-contained: hosts never see a relative path."""
     p = Path(path)
-    yaml_text, text_data = _read_yaml(p)
+    text_data = _read_yaml(p)
     try:
         spec = JobSpec.model_validate(text_data)
     except ValidationError as e:
@@ -158,7 +158,7 @@ def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = Non
     for where, what in find_secrets(raw):  # cfg.toml goes verbatim to every backend's hosts
         raise ConfigError(f"{source}: {refusal(where, what)}")
     run = parse_run_config(raw, source)
-    return LoadedJob(spec, run, tomli_w.dumps(raw), yaml_text, p, run_id)
+    return LoadedJob(spec, run, tomli_w.dumps(raw), spec_yaml(spec), p, run_id)
 
 
 def run_with_id(job: LoadedJob, run_id: str) -> tuple[RunConfig, str]:

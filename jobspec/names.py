@@ -8,19 +8,11 @@ from __future__ import annotations
 
 import re
 
+from jobspec.run_config import check_dns_label
+
 _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-DNS_LABEL = re.compile(_LABEL)  # namespaces: at most 63 characters
 DNS_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*")  # service accounts, priority classes: 253
 LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")  # label name and value: 63
-
-
-def check_dns_label(value: str, what: str) -> str:
-    if len(value) > 63 or not DNS_LABEL.fullmatch(value):
-        raise ValueError(
-            f"{what} {value!r} is not a DNS-1123 label: use 1-63 lowercase letters, digits or "
-            "'-', starting and ending with a letter or digit"
-        )
-    return value
 
 
 def check_dns_subdomain(value: str, what: str) -> str:
@@ -70,7 +62,7 @@ def check_k8s_names(
     annotations: dict[str, str],
 ) -> None:
     """Every name of the k8s section that Kubernetes checks, checked here first (ValueError)."""
-    check_dns_label(namespace, "namespace")
+    check_dns_label(namespace, "namespace ")
     if service_account is not None:
         check_dns_subdomain(service_account, "service_account")
     if queue is not None:  # the value of the kueue.x-k8s.io/queue-name label

@@ -45,10 +45,24 @@ FORMATS: tuple[tuple[str, re.Pattern[str]], ...] = (
 # scheme://user:password@host; the password must not be a variable reference.
 URL_PASSWORD = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*:(?P<pw>[^\s/@]+)@")
 VARIABLE = re.compile(r"^(?:\$[A-Za-z_][A-Za-z0-9_]*|\$\{[^}]+\}|\$\([A-Za-z_][A-Za-z0-9_]*\))$")
+# Env names whose literal value would put a credential into the spec: a secret word that ends a
+# `_`-separated part (HF_TOKEN, PGPASSWORD, AWS_SECRET_ACCESS_KEY; not TOKENIZERS_PARALLELISM),
+# unless the name says the value is where the secret lives (WANDB_API_KEY_FILE: a path).
+SECRET_ENV_NAME = re.compile(
+    r"(TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|CREDENTIALS?|API_?KEY|PRIVATE_?KEY"
+    r"|ACCESS_?KEY|SESSION_?KEY|AUTH_?KEY)(_|$)",
+    re.I,
+)
+NOT_A_SECRET_SUFFIX = re.compile(r"_(FILE|PATH|DIR|URI)$", re.I)
 SECRET_WORD = re.compile(r"key|token|secret|passw|passphrase|credential", re.I)
 TOKEN_CHARS = re.compile(r"^[A-Za-z0-9+/=_.~-]+$")
 MIN_RANDOM_LEN = 20
 MIN_ENTROPY_BITS = 3.5  # per character; English words and paths sit well below, keys above
+
+
+def secret_env_name(name: str) -> bool:
+    """Whether an env variable of this name holds a secret when its value is literal."""
+    return bool(SECRET_ENV_NAME.search(name)) and not NOT_A_SECRET_SUFFIX.search(name)
 
 
 def entropy(text: str) -> float:

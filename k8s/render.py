@@ -19,7 +19,7 @@ import yaml
 
 from jobspec.errors import ConfigError
 from jobspec.exit_codes import RESTARTABLE_EXIT_CODES, SIGNAL_EXIT_CODES
-from jobspec.job_spec import JobSpec, SecretRef, spec_yaml
+from jobspec.job_spec import JobSpec, SecretRef
 from jobspec.storage import is_remote
 from launch.backend import Submission
 
@@ -343,7 +343,7 @@ def render_manifests(
     name = jobset_name(sub.run_id)
 
     # The validated spec, re-serialised: the file as written may carry comments (or worse).
-    data = {CONFIG_FILE: sub.run_toml, SPEC_FILE: spec_yaml(spec)}
+    data = {CONFIG_FILE: sub.run_toml, SPEC_FILE: sub.spec_yaml}
     size = sum(len(v.encode()) for v in data.values())
     if size > CONFIGMAP_MAX_BYTES:
         raise ConfigError(

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from jobspec.exit_codes import RESTARTABLE_EXIT_CODES  # noqa: F401  (backends import it here)
 from jobspec.job_spec import JobSpec
 
 # The states after which a run never changes again (every backend's status() reports one of
@@ -34,7 +33,7 @@ class Submission:
     spec: JobSpec
     run_id: str  # DNS-1123 label, the JAXJOB_RUN_ID of every host
     run_toml: str  # the run config every host reads (cfg.toml), run.id already set to run_id
-    spec_yaml: str  # the job spec as the user wrote it
+    spec_yaml: str  # the validated job spec, re-serialised (jobspec.job_spec.spec_yaml)
     output_uri: str  # run.output_uri (the run's artifacts are under <output_uri>/<run_id>)
     workdir: Path  # where the job.yaml lives (relative paths resolve here)
 

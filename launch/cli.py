@@ -22,6 +22,7 @@ from jobspec.cli import run_group
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.job_spec import JobSpec, check_mesh_fits
 from jobspec.load_job import job_schema, load_job
+from jobspec.run_config import check_dns_label
 from jobspec.storage import is_remote
 from launch.backend import TERMINAL, Backend, Submission
 from launch.registry import Registry, RunRecord, utc_now
@@ -61,6 +62,11 @@ def get_backend(name: str, options: dict[str, Any] | None = None) -> Backend:
 
 def _backend_options(backend: str, context: str | None, namespace: str | None) -> dict[str, Any]:
     if backend == "k8s":
+        if namespace is not None:  # it replaces k8s.namespace, which the spec checks
+            try:
+                check_dns_label(namespace, "--namespace ")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         return {"context": context, "namespace": namespace}
     given = [f for f, v in (("--context", context), ("--namespace", namespace)) if v is not None]
     if given:

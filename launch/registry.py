@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.errors import JaxjobError
-from jobspec.job_spec import spec_yaml
 from launch.backend import Handle, Submission
 from launch.runid import is_run_id
 
@@ -162,7 +161,7 @@ class Registry:
         """The run's own folder with what the hosts read; backends may use it as their workdir."""
         d = self.run_dir(sub.run_id)
         write_text_atomic(d / "cfg.toml", sub.run_toml)
-        write_text_atomic(d / "job.yaml", spec_yaml(sub.spec))  # validated, no comments
+        write_text_atomic(d / "job.yaml", sub.spec_yaml)  # validated, no comments
         return d
 
     def record(self, rec: RunRecord) -> None:

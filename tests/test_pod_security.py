@@ -222,7 +222,8 @@ def test_user_group_and_sizes_come_from_the_spec():
 
 
 @pytest.mark.parametrize("k8s, field", [({"run_as_user": 0}, "k8s.run_as_user"),
-                                        ({"shm_size": "lots"}, "k8s.shm_size")])  # fmt: skip
+                                        ({"shm_size": "lots"}, "k8s.shm_size"),
+                                        ({"scratch_size": "16Gi\n"}, "k8s.scratch_size")])  # fmt: skip
 def test_root_and_bad_sizes_are_refused(k8s, field):
     with pytest.raises(ValidationError) as e:
         JobSpec.model_validate({"name": "t", "run": {}, "k8s": k8s})
@@ -238,7 +239,9 @@ def test_a_local_output_path_gets_a_writable_volume():
     assert output and violations(t) == set()
     under_tmp = Submission(base.spec, base.run_id, base.run_toml, "", "/tmp/out", base.workdir)
     (t,) = templates(under_tmp)  # already writable: no second volume over /tmp
-    assert [m["mountPath"] for m in t["spec"]["containers"][0]["volumeMounts"]].count("/tmp") == 1
+    mounts = [m["mountPath"] for m in t["spec"]["containers"][0]["volumeMounts"]]
+    assert mounts.count("/tmp") == 1 and "/tmp/out" not in mounts, mounts
+    assert len(t["spec"]["volumes"]) == len(templates(base)[0]["spec"]["volumes"])
     relative = Submission(base.spec, base.run_id, base.run_toml, "", "runs", base.workdir)
     with pytest.raises(ConfigError, match=r"^output_uri: 'runs' is relative.*use gs://"):
         render_manifests(relative)

@@ -137,6 +137,9 @@ def test_env_secret_names_still_refused_by_name_and_references_pass():
         msg = _refusal(_spec(env={name: "anything"}))
         assert msg.startswith(f"job.yaml: env: {name} looks like a secret"), msg
         assert "{secret: SECRET_NAME, key: KEY}" in msg and "anything" not in msg
+    # Names that only contain a secret word, or say where the secret lives, are ordinary.
+    for name, value in (("TOKENIZERS_PARALLELISM", "false"), ("WANDB_API_KEY_FILE", "/etc/w")):
+        JobSpec.model_validate(_spec(env={name: value}))
     ok = JobSpec.model_validate(_spec(env={"AWS_ACCESS_KEY_ID": {"secret": "aws", "key": "id"}}))
     assert list(find_secrets(ok.model_dump(mode="json"))) == []
 

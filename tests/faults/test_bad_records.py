@@ -80,6 +80,10 @@ def test_run_ids_refuse_a_trailing_newline(tmp_path):
     assert "is not a DNS-1123 label" in one_sentence(res)
     res = launch(tmp_path / "state", "status", "smoke\n")
     assert "unknown run id 'smoke\\n'" in one_sentence(res)
+    # --namespace replaces k8s.namespace: checked the same way.
+    res = launch(tmp_path / "state", "render", str(spec_file(tmp_path)), "--backend", "k8s",
+                 "--namespace", "ml\n", "-o", str(tmp_path / "out"))  # fmt: skip
+    assert "--namespace 'ml\\n' is not a DNS-1123 label" in one_sentence(res)
 
 
 # ---- YAML: aliases are counted, nesting and size are bounded ---------------------------------

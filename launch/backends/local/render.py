@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jobspec.job_spec import SecretRef, spec_yaml
+from jobspec.job_spec import SecretRef
 from launch.backend import RenderedFile, Submission
 from launch.backends import source_pythonpath
 from launch.backends.local.supervisor import (
@@ -86,5 +86,5 @@ def render_files(sub: Submission, run_dir: Path) -> list[RenderedFile]:
     return [
         RenderedFile("hosts.json", json.dumps(plan, indent=2) + "\n"),
         RenderedFile("cfg.toml", sub.run_toml),
-        RenderedFile("job.yaml", spec_yaml(sub.spec)),  # validated, no comments
+        RenderedFile("job.yaml", sub.spec_yaml),  # validated, no comments
     ]

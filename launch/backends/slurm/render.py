@@ -30,7 +30,7 @@ from pathlib import Path
 
 from jobspec.errors import ConfigError
 from jobspec.exit_codes import RESTARTABLE_EXIT_CODES, SIGNAL_EXIT_CODES
-from jobspec.job_spec import JobSpec, SecretRef, spec_yaml
+from jobspec.job_spec import JobSpec, SecretRef
 from launch.backend import RenderedFile, Submission
 from launch.registry import Registry
 
@@ -356,4 +356,4 @@ def render_files(
     script = render_script(sub, rundir, cwd=cwd, hosts_per_node=hosts_per_node,
                            runtime_command=runtime_command)  # fmt: skip
     return [RenderedFile(SCRIPT, script), RenderedFile(CONFIG, sub.run_toml),
-            RenderedFile(SPEC, spec_yaml(sub.spec))]  # fmt: skip
+            RenderedFile(SPEC, sub.spec_yaml)]  # fmt: skip

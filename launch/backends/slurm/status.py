@@ -14,6 +14,7 @@ from launch.backends.slurm.submit import (
     PENDING,
     RUNNING,
     JobRecord,
+    first_int,
     job_record,
     partition_info,
 )
@@ -39,27 +40,28 @@ def status(handle: Handle) -> dict[str, Any]:
             "restarts": job.restarts,
             "exit_code": job.exit_code}  # fmt: skip
     out = {**info, **_from_record(job, rd, cancelled)}
-    if out["state"] == "pending" and (hint := pending_hint(job, handle.data.get("cluster"))):
-        out["hint"] = hint
-        out["never_starts"] = _reason(job) in NEVER_STARTS  # `submit --wait` stops waiting
+    if out["state"] == "pending" and (found := pending_hint(job, handle.data.get("cluster"))):
+        out["hint"], out["never_starts"] = found  # never_starts: `submit --wait` stops waiting
     return out
 
 
-def pending_hint(job: JobRecord, cluster: str | None = None) -> str | None:
-    """Why a pending job will not start by itself, and what to change; None while it simply
-    waits its turn (Resources, Priority, BeginTime, ...)."""
+def pending_hint(job: JobRecord, cluster: str | None = None) -> tuple[str, bool] | None:
+    """(why a pending job will not start by itself and what to change, whether it provably
+    never will); None while it simply waits its turn (Resources, Priority, BeginTime, ...).
+
+    PartitionNodeLimit/PartitionConfig are also reported while nodes are down or drained, so
+    they prove "never" only when the partition's node count is below the job's."""
     reason = _reason(job)
     if reason in BLOCKED:
         return (
             f"SLURM reason {reason}: it cannot start until the partition {job.partition} or its "
             "nodes are back up; choose another partition (slurm.partition) or ask the admins"
-        )
+        ), False
     if reason not in NEVER_STARTS:
         return None
     part = partition_info(job.partition, cluster) if job.partition else {}
-    total = _first_number(part.get("TotalNodes", ""))
-    most = _first_number(part.get("MaxNodes", ""))
-    limit = min(n for n in (total, most) if n is not None) if total or most else None
+    counts = [n for n in (first_int(part.get(k, "")) for k in ("TotalNodes", "MaxNodes")) if n]
+    limit = min(counts) if counts else None
     where = f"the partition {job.partition}" if job.partition else "its partition"
     if job.num_nodes is not None and limit is not None and job.num_nodes > limit:
         return (
@@ -67,30 +69,31 @@ def pending_hint(job: JobRecord, cluster: str | None = None) -> str | None:
             f"job and this job asks for {job.num_nodes}; reduce hosts (or raise "
             "slurm.hosts_per_node for a CPU job) or choose another partition (slurm.partition), "
             "then cancel and resubmit"
-        )
+        ), True
+    if reason in ("PartitionNodeLimit", "PartitionConfig"):  # not proven: nodes may be down
+        return (
+            f"SLURM reason {reason}: {where} cannot give this job its {job.num_nodes or '?'} "
+            "node(s) now (too few nodes, or some down or drained); reduce hosts or choose "
+            "another partition (slurm.partition), or wait for the nodes to return"
+        ), False
     if reason == "PartitionTimeLimit":
         return (
             f"SLURM reason {reason}: it can never start: its time limit {job.time_limit} exceeds "
             f"the MaxTime {part.get('MaxTime', '?')} of {where}; lower slurm.time or choose "
             "another partition, then cancel and resubmit"
-        )
+        ), True
     fix = {
         "BadConstraints": "no node has what slurm.constraint (or the GPUs) asks for; change it",
         "InvalidAccount": "slurm.account is not an account you may use; change it",
         "InvalidQOS": "slurm.qos is not a QOS you may use; change it",
-    }.get(reason, "the job asks for more than the partition offers; reduce hosts or choose "
-               "another partition (slurm.partition)")  # fmt: skip
+    }[reason]
     return (
         f"SLURM reason {reason}: it can never start as submitted: {fix}, then cancel and resubmit"
-    )
+    ), True
 
 
 def _reason(job: JobRecord) -> str:
     return job.reason.split(",")[0].strip("()")
-
-
-def _first_number(text: str) -> int | None:
-    return int(text) if text.isdigit() else None
 
 
 def _from_record(job: JobRecord, rd: RunDir, cancelled: bool) -> dict[str, str]:

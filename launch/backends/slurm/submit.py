@@ -87,12 +87,12 @@ def parse_scontrol(text: str) -> JobRecord:
         restarts=int(fields.get("Restarts", "0") or 0),
         nodes=fields.get("NodeList", ""),
         partition=fields.get("Partition", ""),
-        num_nodes=_first_int(fields.get("NumNodes", "")),
+        num_nodes=first_int(fields.get("NumNodes", "")),
         time_limit=fields.get("TimeLimit", ""),
     )
 
 
-def _first_int(text: str) -> int | None:
+def first_int(text: str) -> int | None:
     m = re.match(r"\d+", text)
     return int(m.group()) if m else None
 

@@ -192,6 +192,20 @@ class RetryPolicy:
 DEFAULT_RETRY = RetryPolicy()
 
 
+# Called before each retry's wait: a host that retries storage is alive and working, so the
+# host watchdog counts a retry as progress (a stall is a host that does nothing).
+_retry_listeners: list[Callable[[], None]] = []
+
+
+def on_retry(listener: Callable[[], None], *, remove: bool = False) -> None:
+    """Add (or with remove=True, remove) a function called before every storage retry."""
+    if remove:
+        if listener in _retry_listeners:
+            _retry_listeners.remove(listener)
+    elif listener not in _retry_listeners:
+        _retry_listeners.append(listener)
+
+
 def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy = DEFAULT_RETRY) -> T:
     """`fn()`, retried while it fails with a storage fault; once the retries are spent, the fault
     is a StorageFaultError naming `what` (e.g. "write gs://b/run/x.json") and the original error.
@@ -223,6 +237,8 @@ def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy = DEFAULT_R
                     f"cannot {what}: {fault.reason} (after {tries} tries over {waited:.0f} s); "
                     f"{hint}"
                 ) from e
+            for listener in list(_retry_listeners):
+                listener()
             time.sleep(delay)
 
 

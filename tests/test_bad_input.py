@@ -220,7 +220,8 @@ def test_subprocess_errors_have_no_traceback(world, tmp_path):
 
 
 def test_worker_with_an_unwritable_output_is_one_sentence(world, tmp_path):
-    """The host log is the worker's first write: an output under a file is one sentence."""
+    """The run's claim is the worker's first write there: an output under a file is one
+    sentence naming it, exit 2 (not a traceback from the host log or the claim)."""
     cfg = _cfg(world, tmp_path, name="w")
     env = {
         "JAXJOB_RUN_ID": "w", "JAXJOB_NUM_PROCESSES": "1", "JAXJOB_PROCESS_ID": "0",
@@ -232,7 +233,8 @@ def test_worker_with_an_unwritable_output_is_one_sentence(world, tmp_path):
     )  # fmt: skip
     assert res.returncode == 2, res.stderr
     line = _one_sentence(res.stderr)
-    assert "writable" in line and world["blocker"] in line, line
+    assert line.startswith("error: cannot claim the run at") and world["blocker"] in line, line
+    assert "Not a directory; choose a writable run.output_uri" in line, line
 
 
 def test_schema_lists_every_section():

@@ -504,3 +504,35 @@ def test_builders_from_run_config(corpus):
     check_for_run(m, data, vocab_size=257)
     with pytest.raises(DataError, match="raise model.vocab_size to at least 257"):
         check_for_run(m, data, vocab_size=256)
+
+
+def test_a_failing_input_read_is_said_as_a_read_not_a_write():
+    """Inputs are read lazily while the shards are written: a read that fails is the input's
+    problem (exit 2) or a storage fault (45), never "cannot write the dataset"."""
+    from jobspec.errors import StorageFaultError
+    from runtime.data.prepare import _next_document
+
+    def failing(exc: Exception):
+        raise exc
+        yield  # a generator, like the documents of a prepare
+
+    with pytest.raises(DataError, match=r"cannot read the inputs \['x/\*'\]: gone \(x/a\.txt\)"):
+        _next_document(failing(FileNotFoundError(2, "gone", "x/a.txt")), ["x/*"])
+    with pytest.raises(StorageFaultError, match=r"cannot read the inputs .*Input/output error"):
+        _next_document(failing(OSError(5, "Input/output error")), ["x/*"])
+    with pytest.raises(ZeroDivisionError):  # a bug is not dressed up as a storage problem
+        _next_document(failing(ZeroDivisionError()), ["x/*"])
+
+
+def test_an_output_under_a_file_is_one_sentence(tmp_path):
+    from jobspec.errors import StorageError
+
+    src = tmp_path / "src"
+    _write(src, "a.txt", "a" * 40)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(
+        StorageError,
+        match=r"cannot write the dataset to .*: Not a directory; choose a writable --out",
+    ):
+        prepare_dataset([str(src / "a.txt")], "byte", str(blocker / "ds"))

@@ -248,7 +248,17 @@ def test_with_retries_retries_transient_faults_only(monkeypatch) -> None:
             raise HttpError({"code": 503, "message": "backend unavailable"})
         return "ok"
 
-    assert storage.with_retries(flaky, "write x") == "ok" and len(calls) == 4
+    retried: list[int] = []
+
+    def listener() -> None:
+        retried.append(1)
+
+    storage.on_retry(listener)
+    try:
+        assert storage.with_retries(flaky, "write x") == "ok" and len(calls) == 4
+    finally:
+        storage.on_retry(listener, remove=True)
+    assert len(retried) == 3  # each retry is progress for the host watchdog
     with pytest.raises(FileNotFoundError):  # not a fault: no retry, the caller words it
         storage.with_retries(lambda: (_ for _ in ()).throw(FileNotFoundError("x")), "read x")
 

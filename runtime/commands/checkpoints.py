@@ -9,12 +9,13 @@ from typing import Any
 from jobspec.errors import CheckpointError
 from runtime.run.checkpoint import CKPT_DIR, CheckpointService
 from runtime.run.inspect import open_run
+from runtime.run.store import ArtifactStore
 
 MIB = 1024 * 1024
 
 
-def _service(run: str, *, read_only: bool = True) -> CheckpointService:
-    store = open_run(run)
+def _service(run: str, *, read_only: bool = True, store: ArtifactStore | None = None):
+    store = store or open_run(run)
     if not store.isdir(CKPT_DIR):
         raise CheckpointError(f"{store.uri(CKPT_DIR)} does not exist: the run has no checkpoints")
     # No retention of ours: a writable service applies `keep` when it closes, and rollback
@@ -49,32 +50,29 @@ def rollback(run: str, step: int) -> dict[str, Any]:
     from runtime.run import owner
     from runtime.run.artifacts import EVENTS, now
 
+    store = open_run(run)  # a run directory, before anything (even a claim) is written there
+    run_id = store.read_json("manifest.json").get("run_id") or store.root_uri.rsplit("/", 1)[-1]
     # Deleting checkpoints under a live run would pull its resume point away: claim the run
     # first, exactly as training does (a live owner refuses this with one sentence).
-    owner.acquire(run, run_id=run.rstrip("/").rsplit("/", 1)[-1], submission_id=None,
-                  attempt=0, lease_s=60)  # fmt: skip
+    owner.acquire(store.root_uri, run_id=run_id, submission_id=None, attempt=0, lease_s=60)
     try:
-        return _rollback(run, step, EVENTS, now)
+        ckpt = _service(run, read_only=False, store=store)
+        try:
+            step = ckpt.resolve(step)
+            found = ckpt.verify(step)
+            if not found["ok"]:
+                raise ckpt.unreadable(step, found["cause"])
+            discarded = ckpt.discard_after(step)
+            if discarded:
+                store.append_jsonl(
+                    EVENTS,
+                    [{"time": now(), "event": "checkpoints_discarded", "steps": discarded,
+                      "resume_from": step}],
+                )  # fmt: skip
+        finally:
+            ckpt.close()
     finally:
-        owner.release(run)
-
-
-def _rollback(run: str, step: int, EVENTS: str, now) -> dict[str, Any]:  # noqa: N803
-    ckpt = _service(run, read_only=False)
-    try:
-        step = ckpt.resolve(step)
-        found = ckpt.verify(step)
-        if not found["ok"]:
-            raise ckpt.unreadable(step, found["cause"])
-        discarded = ckpt.discard_after(step)
-        if discarded:
-            ckpt.store.append_jsonl(
-                EVENTS,
-                [{"time": now(), "event": "checkpoints_discarded", "steps": discarded,
-                  "resume_from": step}],
-            )  # fmt: skip
-    finally:
-        ckpt.close()
+        owner.release(store.root_uri)
     return {"run": ckpt.store.uri(""), "step": step, "discarded": discarded}
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from jobspec.cli import run_group
-from jobspec.errors import ConfigError, StorageError
+from jobspec.errors import ConfigError
 
 
 def _print_json(obj: Any) -> None:
@@ -145,7 +145,7 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
         # JAX's own abort must come after our watchdog's clearer exit.
         heartbeat_timeout_s=cfg.runtime.host_loss_timeout_s + 30,
     )
-    from jobspec.storage import join
+    from jobspec.storage import RetryPolicy, join
     from runtime.host.hostlog import HostLogTee, log_uri
     from runtime.run import owner
 
@@ -160,16 +160,11 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
         is_writer=info.process_index == writer_index,
         lease_s=cfg.runtime.owner_lease_s,
         timeout_s=cfg.runtime.boot_timeout_s,
+        retry=RetryPolicy(total_s=cfg.runtime.storage_retry_s),
     )
     # Logs that outlive pods: every host's output goes to the run's own storage too.
-    host_log = log_uri(run_root, info.attempt, info.process_index)
-    try:
-        HostLogTee(host_log).start()
-    except OSError as e:
-        raise StorageError(
-            f"cannot write the host log {host_log}: {e.strerror or e}; choose a writable "
-            "run.output_uri (or JAXJOB_OUTPUT_URI)"
-        ) from e
+    # (an unwritable output was said by the claim already; the log itself never fails a host)
+    HostLogTee(log_uri(run_root, info.attempt, info.process_index)).start()
     from runtime.train.loop import train
 
     click.echo(

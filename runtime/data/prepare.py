@@ -45,9 +45,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jobspec.errors import DataError, StorageFaultError
+from jobspec.errors import DataError, JaxjobError, StorageError, StorageFaultError
 from jobspec.run_config import DataConfig
-from jobspec.storage import is_remote, join, url_to_fs
+from jobspec.storage import is_remote, join, storage_fault, url_to_fs
 from runtime.data.jsonl import json_objects
 from runtime.data.manifest import (
     FIELD_DTYPES,
@@ -243,13 +243,58 @@ def _entries(fs, path: str) -> list[str]:
         return []
 
 
+_UNCHANGED = "(the dataset already there, if any, is unchanged)"
+
+
+def _raise_write_error(out: str, e: Exception) -> None:
+    """Writing the new dataset failed: a storage fault (a full disk, EIO, a failing bucket) is
+    restartable (exit 45); another OSError is the output the user gave (exit 2); anything else
+    is a bug and propagates as it is."""
+    fault = storage_fault(e)
+    if fault is not None:
+        raise StorageFaultError(
+            f"cannot write the dataset to {out}: {fault.reason}; free space or fix the storage "
+            f"and run the prepare again {_UNCHANGED}"
+        ) from e
+    if isinstance(e, OSError):
+        raise StorageError(
+            f"cannot write the dataset to {out}: {e.strerror or e}; choose a writable --out "
+            f"{_UNCHANGED}"
+        ) from e
+
+
+def _next_document(docs: Iterator[Rollout], inputs: list[str]) -> Rollout | None:
+    """The next input document; the inputs are read lazily, so a failing read surfaces here
+    and is said as one (not as a failed write of the output)."""
+    try:
+        return next(docs)
+    except StopIteration:
+        return None
+    except (JaxjobError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        fault = storage_fault(e)
+        if fault is not None:
+            raise StorageFaultError(
+                f"cannot read the inputs {inputs}: {fault.reason}; run the prepare again once "
+                f"the storage answers {_UNCHANGED}"
+            ) from e
+        if isinstance(e, OSError):
+            raise DataError(
+                f"cannot read the inputs {inputs}: {e.strerror or e}"
+                f"{f' ({e.filename})' if e.filename else ''}; check that they exist and are "
+                f"readable {_UNCHANGED}"
+            ) from e
+        raise
+
+
 def _remove_folder(out: str, folder: str) -> None:
     """Delete one shard folder; a failure here must not hide the error that led to it."""
     fs, path = url_to_fs(join(out, folder))
     try:
         if fs.exists(path):
             fs.rm(path, recursive=True)
-    except OSError:
+    except Exception:  # noqa: BLE001
         pass
 
 
@@ -317,7 +362,9 @@ def prepare_dataset(
     folder = _new_folder()
     try:
         fs.makedirs(join(root, folder), exist_ok=True)
-        splits = _write_splits(out, folder, dtype, shard_tokens, fields, docs, val_fraction)
+        splits = _write_splits(
+            out, folder, dtype, shard_tokens, fields, iter(docs), val_fraction, inputs
+        )
         if splits is None:
             raise DataError(
                 f"the inputs {inputs} matched {len(files)} files but they hold no text; point the "
@@ -333,14 +380,10 @@ def prepare_dataset(
         )
         manifest = _manifest(tok, tokenizer, dtype, format, splits, source)
         write_manifest(manifest, join(out, "manifest.json"))  # the commit point
-    except OSError as e:  # a full disk, an I/O error, a failing bucket: nothing was swapped in
+    except BaseException as e:  # nothing was swapped in: the old dataset stays as it was
         _remove_folder(out, folder)
-        raise StorageFaultError(
-            f"cannot write the dataset to {out}: {e.strerror or e}; free space or fix the "
-            "storage and run the prepare again (the dataset already there, if any, is unchanged)"
-        ) from e
-    except BaseException:
-        _remove_folder(out, folder)
+        if isinstance(e, Exception) and not isinstance(e, JaxjobError):
+            _raise_write_error(out, e)
         raise
     _remove_previous(out, keep=folder)
     return manifest.with_root(out.rstrip("/") or out)
@@ -354,6 +397,7 @@ def _write_splits(
     fields: dict[str, str],
     docs: Iterator[Rollout],
     val_fraction: float,
+    inputs: list[str],
 ) -> Splits | None:
     """The splits' shards and offsets under out/folder; None when the input held no document."""
     writers = {
@@ -362,7 +406,7 @@ def _write_splits(
     }
     every = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
     kept = 0
-    for doc in docs:
+    while (doc := _next_document(docs, inputs)) is not None:
         split = "validation" if every and kept % every == 1 else "train"
         writers[split].add(doc.tokens, doc.values)
         kept += 1

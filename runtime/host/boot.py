@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -317,8 +316,7 @@ class _FormationGuard:
 
     def _run(self, deadline_s: float, message: str) -> None:
         if not self._done.wait(deadline_s):
-            print(f"error: {message}", file=sys.stderr, flush=True)
-            hostlog.hard_exit(EXIT_CLUSTER_TIMEOUT)
+            hostlog.fatal(message, EXIT_CLUSTER_TIMEOUT)
 
     def __enter__(self) -> _FormationGuard:
         self._thread.start()

@@ -41,6 +41,7 @@ from types import FrameType
 from typing import Any
 
 from jobspec.exit_codes import EXIT_HOST_LOST
+from jobspec.storage import on_retry
 from runtime.host import boot, hostlog
 
 
@@ -229,6 +230,14 @@ class HostWatchdog:
             t = threading.Thread(target=target, name=f"jaxjob-watchdog-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        # Riding out a storage outage (runtime.storage_retry_s) is working, not stalling.
+        on_retry(self.moved)
+
+    def moved(self) -> None:
+        """Count as progress without changing the position (a storage retry, for one)."""
+        with self._lock:
+            self._mine.moves += 1
+            self._mine.moved_at = time.monotonic()
 
     def progress(self, step: int, phase: str = "step", outputs: Any = None) -> None:
         """Called by the host loop at points every host passes in the same order: `step` is the
@@ -396,6 +405,7 @@ class HostWatchdog:
         self.progress(self._mine.step, phase)
 
     def stop(self) -> None:
+        on_retry(self.moved, remove=True)
         self._stop.set()
         for t in self._threads:
             if t is not threading.current_thread():
@@ -404,10 +414,4 @@ class HostWatchdog:
 
 
 def _exit_host_lost(message: str) -> None:
-    # Straight to fd 2, not through sys.stderr: a main thread stuck inside a write to it would
-    # hold its lock. The tee's pump always drains fd 2, so this write does not block.
-    try:
-        os.write(2, f"error: {message}\n".encode())
-    except OSError:
-        pass
-    hostlog.hard_exit(EXIT_HOST_LOST)
+    hostlog.fatal(message, EXIT_HOST_LOST)

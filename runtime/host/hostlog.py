@@ -46,6 +46,17 @@ def hard_exit(code: int) -> None:
     os._exit(code)
 
 
+def fatal(message: str, code: int) -> None:
+    """`error: message` on stderr, then hard_exit(code): the way a watcher thread ends the
+    process. Straight to fd 2, not through sys.stderr: a main thread stuck inside a write to it
+    would hold its lock. The tee's pump always drains fd 2, so this write does not block."""
+    try:
+        os.write(2, f"error: {message}\n".encode())
+    except OSError:
+        pass
+    hard_exit(code)
+
+
 def log_uri(run_root: str, attempt: int, process_index: int) -> str:
     return join(run_root, f"logs/attempt-{attempt}/host-{process_index}.log")
 
@@ -80,7 +91,6 @@ class _Sink:
         self._error: str | None = None  # why the destination fails, while it does
         self._outage = False  # from the first failure or drop until the backlog is written
         self._failures = 0
-        self.dropped_bytes = 0  # over the sink's life
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"hostlog-{what}")
         self._thread.start()
 
@@ -101,7 +111,6 @@ class _Sink:
                 self._gap_lines += lines
                 self._lost_bytes += len(chunk)
                 self._lost_lines += lines
-                self.dropped_bytes += len(chunk)
             else:
                 if self._gap_bytes:
                     self._buf += self._marker()
@@ -188,12 +197,12 @@ class HostLogTee:
         self.uri = uri
         self.fs, self.path = url_to_fs(uri)
         self.remote = is_remote(uri)
-        self._buf = bytearray()
-        self._lock = threading.Lock()  # guards _buf and _last_flush
-        self._upload_lock = threading.Lock()  # one upload at a time, each of a newer snapshot
+        self._buf = bytearray()  # on an object store: the current part's bytes, not yet done
+        self._lock = threading.Lock()  # guards _buf and _dropped
         self._uploaded = -1  # length of _buf the last successful upload held (-1: none yet)
+        self._part = 0  # the log part being written on an object store (see _flush_remote)
+        self._dropped = 0  # bytes not kept while uploads fail and the buffer is full
         self._threads: list[threading.Thread] = []
-        self._last_flush = time.monotonic()
         self._fd: int | None = None  # the local log file, opened by its sink's thread
         self._originals: dict[int, int] = {}
         self._terminal: dict[int, _Sink] = {}
@@ -241,8 +250,7 @@ class HostLogTee:
         if self._log is not None:
             self._log.put(f"{line}\n".encode())
         else:
-            with self._lock:
-                self._buf.extend(f"{line}\n".encode())
+            self._buffer_remote(f"{line}\n".encode())
 
     def _write_local(self, data: bytes) -> int:
         # Opened lazily and retried like a write: a log directory that cannot be created yet
@@ -266,11 +274,23 @@ class HostLogTee:
             if self._log is not None:
                 self._log.put(chunk)
             else:
-                with self._lock:
-                    self._buf.extend(chunk)
-                    if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
-                        self._flush_now.set()
+                self._buffer_remote(chunk)
         os.close(r)
+
+    def _buffer_remote(self, chunk: bytes) -> None:
+        """Keep output for the next upload, bounded like a local log's deferral: while uploads
+        fail, what exceeds LOG_DEFER_BYTES is dropped and counted, and said once on stderr."""
+        with self._lock:
+            if len(self._buf) + len(chunk) <= PART_BYTES + LOG_DEFER_BYTES:
+                self._buf.extend(chunk)
+                return
+            first = not self._dropped
+            self._dropped += len(chunk)
+        if first:
+            self._note_on_stderr(
+                f"warning: cannot upload host log {self.uri}; dropping log lines until it can be "
+                "uploaded"
+            )
 
     def _flush_loop(self) -> None:
         """Uploads happen here, never in a pump: a slow or failing bucket must not block output."""
@@ -279,34 +299,33 @@ class HostLogTee:
             self._flush_now.clear()
             if self._closing.is_set():
                 break
-            with self._lock:
-                self._last_flush = time.monotonic()
             self._flush_remote()
         self._flush_remote()  # the rest of the log, at close
-
-    _part = 0  # the log part being written on an object store (see _flush_remote)
 
     def _flush_remote(self) -> None:
         """Upload what is new as the log's tail part, `<log>.parts/000000.log`, … (jobspec.storage
         parted objects, which `launch logs` reads back in order): the part is rewritten while
         under PART_BYTES, then the next one starts and the finished bytes leave memory, so an
-        upload costs at most one part however long the run. The snapshot is taken under the
-        upload lock, so a later upload never holds less than an earlier one."""
-        with self._upload_lock:
+        upload costs at most one part however long the run. Only the flusher thread uploads."""
+        with self._lock:
+            data = bytes(self._buf[:PART_BYTES])  # the current part's bytes only
+            dropped, self._dropped = self._dropped, 0
+        if len(data) == self._uploaded and not dropped:
+            return  # nothing new since the last upload
+        try:
+            self.fs.pipe_file(part_path(self.path, self._part), data)
+        except Exception:  # a log upload must never take the training run down with it
             with self._lock:
-                data = bytes(self._buf)  # the current part's bytes only
-            if len(data) == self._uploaded:
-                return  # nothing new since the last upload
-            try:
-                self.fs.pipe_file(part_path(self.path, self._part), data)
-            except Exception:  # a log upload must never take the training run down with it
-                return  # the bytes stay buffered: the next flush uploads them
-            self._uploaded = len(data)
-            if len(data) >= PART_BYTES:
-                with self._lock:
-                    del self._buf[: len(data)]
-                self._part += 1
-                self._uploaded = 0
+                self._dropped += dropped
+            return  # the bytes stay buffered: the next flush uploads them
+        self._uploaded = len(data)
+        if len(data) >= PART_BYTES:
+            with self._lock:
+                del self._buf[: len(data)]
+            self._part += 1
+            self._uploaded = 0
+        if dropped:  # the gap is said in the log itself, once it can be written again
+            self._note_in_log(f"[jaxjob: {dropped} bytes of output were dropped here]")
 
     def close(self, timeout: float | None = None) -> None:
         """Put the original fds back, drain the pipes, write the rest of the log; returns within

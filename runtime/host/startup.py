@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 from types import FrameType
 from typing import Any
@@ -76,22 +75,22 @@ class StartupSignals:
         raise StartupInterrupted(_message(signum))
 
     def _watch(self, r: int) -> None:
-        while not self._ended.is_set():
-            try:
-                data = os.read(r, 64)
-            except OSError:
-                return
-            if not data or self._ended.is_set():
-                return
-            signum = data[-1]
-            if signum not in _SIGNALS:
-                continue
-            # The handler runs as soon as the main thread executes Python; only a main thread
-            # stuck in C++ needs the watcher to end the process.
-            if not self._handled.wait(GRACE_S) and not self._ended.is_set():
-                print(f"error: {_message(signum)}", file=sys.stderr, flush=True)
-                hostlog.hard_exit(EXIT_RESTARTABLE)
-            return
+        try:
+            while not self._ended.is_set():
+                try:
+                    data = os.read(r, 64)
+                except OSError:
+                    return
+                if not data or self._ended.is_set():
+                    return  # EOF: end() closed the write end
+                for signum in set(data) & set(_SIGNALS):
+                    # The handler runs as soon as the main thread executes Python; only a main
+                    # thread stuck in C++ needs the watcher to end the process.
+                    if not self._handled.wait(GRACE_S) and not self._ended.is_set():
+                        hostlog.fatal(_message(signum), EXIT_RESTARTABLE)
+                    self._handled.clear()  # a later signal is judged on its own
+        finally:
+            os.close(r)
 
     def end(self) -> None:
         """Training is starting: put the previous handlers back and stop watching."""

@@ -13,6 +13,7 @@ because `CheckpointManager.delete` is a cross-host barrier.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -331,26 +332,33 @@ class CheckpointService:
             self._pending = None
             self._raise_save_error(step, e, "failed to save")
 
+    def _raise_if_fault(self, name: int | str, e: BaseException, what: str) -> None:
+        """Raise StorageFaultError when a failed save or read was the storage's fault (ENOSPC,
+        EIO, gs:// 5xx or timeouts: the job ends restartable); return when it was not (the
+        checkpoint's own problem)."""
+        if isinstance(e, StorageFaultError):
+            raise e
+        fault = storage_fault(e)
+        if fault is None:
+            return
+        hint = (
+            "free space (or fix the disk) and restart: the run resumes from the latest "
+            "committed checkpoint"
+            if fault.disk
+            else "restart once the storage answers again: the run resumes from the latest "
+            "committed checkpoint"
+        )
+        raise StorageFaultError(
+            f"checkpoint {name} under {self.directory} {what}: {fault.reason}; {hint}"
+        ) from e
+
     def _raise_save_error(self, step: int | None, e: Exception, what: str) -> None:
         """Say why a save failed in one sentence: a storage fault (ENOSPC, EIO, gs:// 5xx or
         timeouts) ends the job restartable; anything else is a checkpoint error. The step is
         remembered: Orbax re-raises the same background error on every later wait."""
         self._failed_step = step
         name = "?" if step is None else step
-        if isinstance(e, StorageFaultError):
-            raise e
-        fault = storage_fault(e)
-        if fault is not None:
-            hint = (
-                "free space (or fix the disk) and restart: the run resumes from the latest "
-                "committed checkpoint"
-                if fault.disk
-                else "restart once the storage answers again: the run resumes from the latest "
-                "committed checkpoint"
-            )
-            raise StorageFaultError(
-                f"checkpoint {name} under {self.directory} {what}: {fault.reason}; {hint}"
-            ) from e
+        self._raise_if_fault(name, e, what)
         if isinstance(e, OSError | ValueError | StorageError):
             raise CheckpointError(
                 f"checkpoint {name} under {self.directory} {what} ({e}); check the "
@@ -402,14 +410,20 @@ class CheckpointService:
     def close(self, *, after_failure: bool = False) -> None:
         """Finish started saves and release Orbax. After a failure (the caller's, or a save
         that already failed) nothing here may hide the first error: it is logged instead."""
-        quiet = after_failure or self._failed_step is not None
-        for part in (self.wait, self._mgr.close):
-            try:
-                part()
-            except Exception as e:
-                if not quiet:
-                    raise
-                log.warning("closing checkpoints under %s after a failure: %s", self.directory, e)
+        try:
+            self.wait()
+        except Exception as e:
+            if not (after_failure or self._failed_step is not None):
+                with contextlib.suppress(Exception):
+                    self._mgr.close()  # released either way; the save's error is the one raised
+                raise
+            log.warning("closing checkpoints under %s after a failure: %s", self.directory, e)
+        try:
+            self._mgr.close()
+        except Exception as e:
+            if not (after_failure or self._failed_step is not None):
+                raise
+            log.warning("closing checkpoints under %s after a failure: %s", self.directory, e)
 
     # ---- restore -----------------------------------------------------------------------------
 
@@ -440,9 +454,10 @@ class CheckpointService:
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(**items))
             meta = CheckpointMeta.from_json(dict(out["meta"]), where=f"{self.directory}/{step}")
-        except StorageFaultError:
-            raise  # the storage failed, not the checkpoint: restartable as it is
         except Exception as e:  # noqa: BLE001 - Orbax/tensorstore/jax/json raise anything here
+            # The storage failing under the read (a 503, a timeout, EIO) is no verdict on the
+            # checkpoint: restartable, and the step is not marked unreadable.
+            self._raise_if_fault(step, e, "could not be read")
             raise self.unreadable(step, e, fallback=fallback) from e
         opt_state = out["opt_state"] if opt_state_target is not None else None
         return out["params"], opt_state, meta
@@ -523,10 +538,10 @@ class CheckpointService:
             if meta.step != step:
                 raise _ItemError(f"meta: it says step {meta.step}")
         except _ItemError as e:
+            self._raise_if_fault(step, e.__cause__ or e, "could not be read")
             return {"step": step, "ok": False, "bytes": size, "cause": str(e)}
-        except StorageFaultError:
-            raise
         except Exception as e:  # noqa: BLE001 - any failure to read is the finding
+            self._raise_if_fault(step, e, "could not be read")
             return {"step": step, "ok": False, "bytes": size, "cause": short_cause(e)}
         return {"step": step, "ok": True, "bytes": size, "cause": None}
 

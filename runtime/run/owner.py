@@ -51,9 +51,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import quote
 
-from jobspec.errors import JaxjobError, RunOwnedError, StorageError, StorageFaultError
+from jobspec.errors import JaxjobError, RunOwnedError, StorageError
 from jobspec.exit_codes import EXIT_BAD_INPUT
-from jobspec.storage import is_remote, join, url_to_fs
+from jobspec.storage import DEFAULT_RETRY, RetryPolicy, is_remote, join, url_to_fs, with_retries
 
 OWNER_FILE = "owner.json"
 LOCK_FILE = ".owner.lock"
@@ -291,16 +291,14 @@ def _slot(root_uri: str) -> _LocalSlot | _GcsSlot:
     return _GcsSlot(fs, root) if is_remote(root_uri) else _LocalSlot(root)
 
 
-def _storage_error(uri: str, e: OSError) -> StorageError:
-    reason = e.strerror or str(e) or type(e).__name__
-    if isinstance(e, PermissionError | FileNotFoundError | NotADirectoryError):
-        # What the user gave is wrong (no permission, no bucket): not worth a restart.
-        return StorageError(
-            f"cannot claim the run at {uri}: {reason}; choose a writable run.output_uri"
-        )
-    return StorageFaultError(
-        f"cannot claim the run at {uri}: {reason}; check that run.output_uri is reachable and "
-        "start the run again"
+def _storage_error(uri: str, e: Exception) -> StorageError:
+    """A claim that failed on the storage: a fault (ENOSPC, EIO, 5xx, timeouts) outlasted the
+    retries (exit 45, restartable); anything else is what the user gave (exit 2)."""
+    if isinstance(e, StorageError):
+        return e
+    return StorageError(
+        f"cannot claim the run at {uri}: {e.strerror or e if isinstance(e, OSError) else e}; "
+        "choose a writable run.output_uri"
     )
 
 
@@ -310,12 +308,11 @@ def _storage_error(uri: str, e: OSError) -> StorageError:
 class RunClaim:
     """This process's claim on one run directory, renewed until `release()`."""
 
-    def __init__(self, root_uri: str, record: OwnerRecord, slot, generation: Any) -> None:
+    def __init__(self, root_uri: str, record: OwnerRecord, slot) -> None:
         self.root_uri = root_uri
         self.record = record
         self.how = ""
         self._slot = slot
-        self._generation = generation
         self._stop = threading.Event()
         self._mutex = threading.Lock()  # renewal and release never interleave
         self._released = False
@@ -368,7 +365,7 @@ class RunClaim:
                     )
                 self.record.renewed_epoch = time.time()
                 try:
-                    self._generation = self._slot.write(self.record.to_bytes(), gen)
+                    self._slot.write(self.record.to_bytes(), gen)
                 except FileExistsError:
                     pass  # changed between read and write: the next renewal reads who has it
 
@@ -405,6 +402,7 @@ def acquire(
     attempt: int,
     lease_s: float,
     tries: int = 5,
+    retry: RetryPolicy = DEFAULT_RETRY,
 ) -> RunClaim:
     """Claim `root_uri` for this process (again: the claim it already holds), or RunOwnedError."""
     if _key(root_uri) in _held:
@@ -412,7 +410,9 @@ def acquire(
     slot = _slot(root_uri)
     me = OwnerRecord.mine(run_id, submission_id, attempt, lease_s)
     uri = join(root_uri, OWNER_FILE)
-    for _ in range(tries):
+
+    def attempt() -> tuple[str, Any] | None:
+        """One read-decide-write; None when another taker won this generation."""
         try:
             with slot.locked():
                 data, gen = slot.read()
@@ -425,13 +425,21 @@ def acquire(
                         raise RunOwnedError(owned_message(run_id, root_uri, old))
                     who = f" from host {old.host} pid {old.pid}" if old else ""
                     how = f"took over{who}: {reason}"
-                new_gen = slot.write(me.to_bytes(), gen)
+                slot.write(me.to_bytes(), gen)
+                return how, gen
         except FileExistsError:
-            continue  # another taker won this generation: read the record it wrote
-        except OSError as e:
+            return None  # read the record the winner wrote, next try
+
+    for _ in range(tries):
+        try:
+            # The shared retry policy: a passing fault is retried, a lasting one is exit 45.
+            won = with_retries(attempt, f"claim the run at {uri}", retry)
+        except (OSError, StorageError) as e:
             raise _storage_error(uri, e) from e
-        claim = RunClaim(root_uri, me, slot, new_gen)
-        claim.how = how
+        if won is None:
+            continue
+        claim = RunClaim(root_uri, me, slot)
+        claim.how = won[0]
         _held[_key(root_uri)] = claim
         claim.start_renewing()
         return claim
@@ -468,6 +476,7 @@ def claim_run(
     is_writer: bool,
     lease_s: float,
     timeout_s: float = 300.0,
+    retry: RetryPolicy = DEFAULT_RETRY,
 ) -> RunClaim | None:
     """The writer claims the run; every host returns or raises the writer's outcome.
 
@@ -482,6 +491,8 @@ def claim_run(
     client = boot.kv_client()
     key = owner_key(run_id, attempt)
     if is_writer:
+        if _key(root_uri) in _held:  # claimed already (the worker claims before its host log)
+            return _held[_key(root_uri)]
         try:
             claim = acquire(
                 root_uri,
@@ -489,6 +500,7 @@ def claim_run(
                 submission_id=submission,
                 attempt=attempt,
                 lease_s=lease_s,
+                retry=retry,
             )
         except BaseException as e:
             if client is not None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from jobspec.errors import StorageError, StorageFaultError
+from jobspec.errors import StorageError
 from jobspec.storage import (
     DEFAULT_RETRY,
     PART_BYTES,
@@ -128,11 +128,6 @@ class ArtifactStore:
         self._require_writer(rel)
         return self._filter_jsonl(rel, lambda r: not (key in r and r[key] > value))
 
-    def repair_jsonl(self, rel: str) -> None:
-        """Cut a torn last line off a JSONL file (with a warning) before this run appends to it."""
-        self._require_writer(rel)
-        self._filter_jsonl(rel, lambda r: True)
-
     def _filter_jsonl(self, rel: str, keep: Callable[[dict], bool]) -> int:
         if not self.exists(rel):
             return 0
@@ -169,8 +164,6 @@ class ArtifactStore:
         the user's storage (StorageError)."""
         try:
             return with_retries(fn, what, self.retry)
-        except StorageFaultError:
-            raise
         except OSError as e:
             raise StorageError(
                 f"cannot {what}: {_reason(e)}; check that run.output_uri is writable"
@@ -311,8 +304,6 @@ class ArtifactStore:
             raise StorageError(f"{self.uri(rel)} does not exist; check the run directory") from e
         except IsADirectoryError as e:
             raise StorageError(f"{self.uri(rel)} is a directory, not a file") from e
-        except StorageFaultError:
-            raise
         except OSError as e:
             raise StorageError(f"cannot read {self.uri(rel)}: {_reason(e)}") from e
 

@@ -85,11 +85,12 @@ def _open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[Ar
     Reads checkpoints/index.json and the committed step folders only; Orbax is not touched until the config and data are known
     to fit, so a bad input ends before any checkpoint machinery starts.
     """
+    retry = RetryPolicy(total_s=cfg.runtime.storage_retry_s)
     store = ArtifactStore(
         join(cfg.run.output_uri, cfg.run.id),
         process_index=jax.process_index(),
         writer_index=writer_index,
-        retry=RetryPolicy(total_s=cfg.runtime.storage_retry_s),
+        retry=retry,
     )
     store.check_writable()
     # Before anything in the run changes (index repair, Orbax's tmp cleanup, artifacts): one
@@ -100,6 +101,7 @@ def _open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[Ar
         is_writer=store.is_writer,
         lease_s=cfg.runtime.owner_lease_s,
         timeout_s=cfg.runtime.boot_timeout_s,
+        retry=retry,
     )
     # The index as disk has it (a crash between Orbax's commit and the index write still counts).
     has_ckpt = bool(reconciled_entries(store))
@@ -353,14 +355,15 @@ def _loop(
             watchdog.progress(step, outputs=m)
             run.ckpt.poll()
             stopping = stop.should_stop(step)  # every host agrees on the same step
-            pause = run.evaluator.due(step) or run.ckpt.due(step)
+            eval_due, save_due = run.evaluator.due(step), run.ckpt.due(step)
+            pause = eval_due or save_due
             run.art.step_done(
                 step, m, item.provenance, emit, sync=pause or stopping or step == end_step
             )
-            if run.evaluator.due(step):
+            if eval_due:
                 watchdog.progress(step, "eval")  # may be long: its own compile, many batches
             eval_metrics = run.evaluator.maybe_run(step, run.state, run.art, emit)
-            if run.ckpt.due(step):
+            if save_due:
                 watchdog.progress(step, "checkpoint")
             _save(run, eval_metrics)
             if pause:

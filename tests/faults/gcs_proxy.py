@@ -2,9 +2,9 @@
 
 Point STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL at `proxy.url` and every GCS client of
 a run (gcsfs, tensorstore through Orbax) goes through it. A fault is armed with `fail(...)`: from
-the first request whose URL matches `when` (or at once), for `window_s` seconds and/or `count`
-requests, requests whose method, URL and body start match `only` get `status` (a 503 by default) or are held for
-`stall_s` seconds before being forwarded (a stalled server). Everything else is forwarded as is.
+the first request whose URL matches `when` (or at once), for `window_s` seconds, requests whose
+method, URL and body start match `only` get `status` (a 503 by default). Everything else is
+forwarded as is.
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgra
 @dataclass
 class FaultPlan:
     status: int = 503
-    stall_s: float = 0.0  # > 0: hold matching requests this long, then forward them
     window_s: float | None = None  # how long the fault lasts once it started (None: no limit)
-    count: int | None = None  # how many requests it hits at most (None: no limit)
     when: re.Pattern | None = None  # starts at the first request matching this (None: at once)
     only: re.Pattern | None = None  # hits only requests matching this (None: every request)
     started: float | None = None
@@ -41,7 +39,6 @@ class GcsFaultProxy:
         self._up_host, self._up_port = u.hostname or "127.0.0.1", u.port or 80
         self._lock = threading.Lock()
         self.plan: FaultPlan | None = None
-        self.requests = 0
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -54,19 +51,17 @@ class GcsFaultProxy:
                 body = self._read_body()
                 # A multipart upload names its object in the body's metadata, not in the URL.
                 head = body[:2048].decode("latin-1")
-                action = proxy._decide(f"{self.command} {self.path} {head}")
-                if isinstance(action, int):
+                status = proxy._decide(f"{self.command} {self.path} {head}")
+                if status is not None:
                     msg = (
-                        b'{"error": {"code": %d, "message": "injected by the test proxy"}}' % action
+                        b'{"error": {"code": %d, "message": "injected by the test proxy"}}' % status
                     )
-                    self.send_response(action)
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(msg)))
                     self.end_headers()
                     self.wfile.write(msg)
                     return
-                if action:
-                    time.sleep(action)
                 self._forward(body)
 
             do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _any
@@ -106,7 +101,7 @@ class GcsFaultProxy:
 
         class Server(ThreadingHTTPServer):
             def handle_error(self, request, client_address) -> None:
-                pass  # a client that gave up on a stalled or failed request: nothing to report
+                pass  # a client that gave up on a failed request: nothing to report
 
         self._server = Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
@@ -130,14 +125,9 @@ class GcsFaultProxy:
             self.plan = FaultPlan(**plan)
             return self.plan
 
-    def clear(self) -> None:
+    def _decide(self, what: str) -> int | None:
+        """The status to answer, or None to forward the request."""
         with self._lock:
-            self.plan = None
-
-    def _decide(self, what: str) -> int | float | None:
-        """The status to answer, seconds to stall, or None to forward at once."""
-        with self._lock:
-            self.requests += 1
             p = self.plan
             if p is None:
                 return None
@@ -148,10 +138,8 @@ class GcsFaultProxy:
                 p.started = now
             if p.window_s is not None and now - p.started > p.window_s:
                 return None
-            if p.count is not None and p.hits >= p.count:
-                return None
             if p.only is not None and not p.only.search(what):
                 return None
             p.hits += 1
             p.seen.append(what)
-            return p.stall_s if p.stall_s > 0 else p.status
+            return p.status

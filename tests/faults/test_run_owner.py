@@ -310,6 +310,7 @@ def test_rollback_is_refused_while_the_run_has_a_live_owner(tmp_path):
     """`runtime checkpoints rollback` deletes checkpoints: never under a live run."""
     root = tmp_path / "t"
     (root / "checkpoints").mkdir(parents=True)
+    (root / "manifest.json").write_text(json.dumps({"run_id": "t", "status": "running"}))
     live = _record(host="elsewhere", pid=1, renewed_epoch=time.time())
     _write_record(str(root), live)
     before = (root / "owner.json").read_bytes()
@@ -318,3 +319,8 @@ def test_rollback_is_refused_while_the_run_has_a_live_owner(tmp_path):
     lines = stderr_lines(res.stderr)
     assert len(lines) == 1 and "in use by host elsewhere pid 1" in lines[0], lines
     assert (root / "owner.json").read_bytes() == before
+    # Not a run directory: one sentence, and nothing (not even a claim) is written there.
+    typo = tmp_path / "typo"
+    res = run_cli("checkpoints", "rollback", str(typo), "--to-step", "5")
+    assert res.returncode == 2 and "not a jaxjob run directory" in stderr_lines(res.stderr)[-1]
+    assert not typo.exists()

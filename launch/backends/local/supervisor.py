@@ -60,10 +60,6 @@ def describe_exit(rc: int | None) -> str:
     return f"exit {rc}"
 
 
-def restartable(rc: int) -> bool:
-    return is_restartable(rc)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -276,7 +272,7 @@ class Supervisor:
             return "cancelled", f"cancelled ({ends})"
         host, rc = failure if failure is not None else (0, codes[0] or 1)
         what = f"host {host} {describe_exit(rc)}"
-        if not restartable(rc):
+        if not is_restartable(rc):
             return (
                 "failed",
                 f"{what} (not restartable); see `launch logs {self.state.run_id} --host {host}`",

@@ -292,7 +292,8 @@ def read_parted(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
         got = fs.cat(parts) if len(parts) > 1 else {parts[0]: fs.cat_file(parts[0])}
         # fs.cat of several paths keys by path (fetched concurrently); keep the parts' order.
         by_name = {str(k).rstrip("/").split("://", 1)[-1]: v for k, v in got.items()}
-        chunks += [bytes(by_name.get(p.split("://", 1)[-1], b"")) for p in parts]
+        # Strict: a part missing from the answer is an error, never silently lost rows.
+        chunks += [bytes(by_name[p.split("://", 1)[-1]]) for p in parts]
     return b"".join(chunks)
 
 

@@ -7,6 +7,11 @@ build the model or compile the first step; the train loop's StopAgreement only c
 * While the main thread runs Python, the handler raises `StartupInterrupted` (a JaxjobError with
   exit code 42), so the CLI ends with one sentence and every `finally` runs (a run claim is
   released).
+* The handler runs at whatever Python code the main thread is in, which may be a context whose
+  exceptions CPython only reports as "Exception ignored" (a gc callback such as JAX's, a
+  `__del__`). An `unraisablehook` catches that case and delivers the signal again, so it is raised
+  at the next ordinary bytecode; a `StartupInterrupted` swallowed by a library's broad `except`
+  is raised again by `end()`, so training never starts after a stop was asked for.
 * While the main thread is blocked in C++ (`jax.distributed.initialize` waiting for peers, an XLA
   compile), Python handlers cannot run. Python's C-level handler still writes the signal number to
   the wakeup fd at once, so a watcher thread sees it; if the handler has not run within
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import Any
@@ -30,6 +36,7 @@ from jobspec.exit_codes import EXIT_RESTARTABLE
 from runtime.host import hostlog
 
 GRACE_S = 2.0
+REDELIVER_S = 0.05
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -53,6 +60,8 @@ class StartupSignals:
         self._ended = threading.Event()
         self._wakeup: tuple[int, int] | None = None
         self._old_wakeup = -1
+        self._signum: int | None = None  # the last signal whose exception was raised
+        self._old_unraisablehook: Any = None
 
     def install(self) -> StartupSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -63,6 +72,8 @@ class StartupSignals:
         os.set_blocking(w, False)  # the C handler must never block on a full pipe
         self._wakeup = (r, w)
         self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._old_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = self._on_unraisable
         threading.Thread(
             target=self._watch, args=(r,), name="jaxjob-startup-signals", daemon=True
         ).start()
@@ -72,7 +83,22 @@ class StartupSignals:
         if self._ended.is_set():
             return
         self._handled.set()
+        self._signum = signum
         raise StartupInterrupted(_message(signum))
+
+    def _deliver_again(self, signum: int) -> None:
+        """Raised where CPython drops exceptions: send the signal again a moment later, from
+        another thread, so the handler runs once that context has returned."""
+        if not self._ended.is_set():
+            timer = threading.Timer(REDELIVER_S, os.kill, args=(os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
+
+    def _on_unraisable(self, unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, StartupInterrupted) and self._signum is not None:
+            self._deliver_again(self._signum)
+            return
+        self._old_unraisablehook(unraisable)
 
     def _watch(self, r: int) -> None:
         try:
@@ -93,10 +119,16 @@ class StartupSignals:
             os.close(r)
 
     def end(self) -> None:
-        """Training is starting: put the previous handlers back and stop watching."""
+        """Training is starting: put the previous handlers back and stop watching.
+
+        Raises `StartupInterrupted` if a signal's exception was swallowed before it ended the
+        start-up (by a broad `except` in some library): the stop still stands.
+        """
         if self._ended.is_set():
             return
         self._ended.set()
+        if self._old_unraisablehook is not None and sys.unraisablehook == self._on_unraisable:
+            sys.unraisablehook = self._old_unraisablehook
         if threading.current_thread() is threading.main_thread() and self._wakeup is not None:
             from runtime.host import boot
 
@@ -110,6 +142,8 @@ class StartupSignals:
                     signal.signal(sig, handler)
             os.close(self._wakeup[1])  # the watcher's read sees EOF and ends
             self._wakeup = None
+        if self._signum is not None:
+            raise StartupInterrupted(_message(self._signum))
 
 
 _current: StartupSignals | None = None
@@ -125,6 +159,6 @@ def install() -> None:
 def end() -> None:
     """Called by the train loop right before its own signal handling takes over."""
     global _current
-    if _current is not None:
-        _current.end()
-        _current = None
+    current, _current = _current, None
+    if current is not None:
+        current.end()

@@ -595,15 +595,17 @@ def short_cause(e: BaseException | str, limit: int = 200) -> str:
 
 def _host_target(item_dir: str) -> Any:
     """An abstract restore target for a saved StandardSave item: its saved shapes and dtypes,
-    all on this host's first device (verification needs the bytes, not the run's layout)."""
+    in host memory (verification needs the bytes, not the run's layout, and must not fill an
+    accelerator with a model it does not train)."""
     import jax
 
-    md = ocp.StandardCheckpointer().metadata(item_dir)
+    with ocp.StandardCheckpointer() as reader:  # closed: it runs background threads
+        md = reader.metadata(item_dir)
     tree = getattr(md, "item_metadata", md)
     tree = getattr(tree, "tree", tree)
     if tree is None:
         return None  # Orbax hides why; a restore without a target raises the real error
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
 
     def leaf(m: Any) -> Any:
         if m is None:

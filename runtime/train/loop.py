@@ -277,6 +277,9 @@ def _train(
     )
     try:
         run = _prepare(cfg, source_toml, resume, reshard, store, ckpt, manifest, mesh, from_step)
+        # From here the agreement below owns SIGTERM/SIGINT; a stop asked for during start-up
+        # whose exception some library swallowed is raised here, before any step.
+        startup.end()
     except BaseException:
         ckpt.close(after_failure=True)  # logs what it cannot finish: the first error wins
         raise
@@ -286,7 +289,6 @@ def _train(
         )
     info = boot.current()
     stop = StopAgreement(run_id=cfg.run.id, attempt=info.attempt if info else 0)
-    startup.end()  # from here the agreement below owns SIGTERM/SIGINT
     stop.install()
     watchdog = HostWatchdog(
         timeout_s=cfg.runtime.host_loss_timeout_s,

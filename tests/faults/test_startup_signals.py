@@ -82,3 +82,46 @@ def test_sigterm_during_local_start_up(tmp_path, prepared):
     _assert_restartable(rc, err)
     # Nothing was trained, so nothing claims to have been: no step rows.
     assert not (tmp_path / "runs/t/metrics/train.jsonl").exists()
+
+
+_SWALLOWING_CONTEXTS = """
+import os, signal, sys, time
+from runtime.host import startup
+
+class Dropper:
+    def __del__(self):  # CPython reports exceptions raised here as 'Exception ignored'
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100000):
+            pass
+
+startup.install()
+try:
+    if sys.argv[1] == "del":
+        Dropper()
+        time.sleep(10)
+        print("not stopped")
+    else:
+        try:  # a library's broad except swallows the stop
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100000):
+                pass
+        except Exception:
+            pass
+        startup.end()
+        print("not stopped")
+except startup.StartupInterrupted as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(e.exit_code)
+"""
+
+
+def test_a_stop_raised_where_python_drops_exceptions_still_stops():
+    for where in ("del", "except"):
+        proc = subprocess.run(
+            [sys.executable, "-c", _SWALLOWING_CONTEXTS, where],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 42, (where, proc.stdout, proc.stderr)
+        assert "not stopped" not in proc.stdout, where
+        assert "Exception ignored" not in proc.stderr, proc.stderr
+        assert "SIGTERM during start-up" in proc.stderr, proc.stderr

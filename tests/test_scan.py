@@ -130,7 +130,7 @@ def test_scanned_logits_loads_and_grads_match_unrolled(family: str, remat: str) 
     (lu, (logits_u, loads_u)), grads_u = _value_and_grad(unrolled, ids, pos, seg)
     assert float(jnp.max(jnp.abs(logits_u))) > 0.1
     np.testing.assert_allclose(logits_s, logits_u, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ls, lu, rtol=1e-6)
+    np.testing.assert_allclose(ls, lu, rtol=1e-5)
     if family == "qwen3_moe":
         assert loads_s.shape == (LAYERS, 4)
         np.testing.assert_array_equal(loads_s, loads_u)
@@ -168,7 +168,9 @@ def test_decoding_with_scan_equals_without(family: str) -> None:
     step_s, cache_s = scanned.decode(ids[:, 7:], pos[:, 7:], cache_s)
     step_u, cache_u = unrolled.decode(ids[:, 7:], pos[:, 7:], cache_u)
     np.testing.assert_allclose(step_s, step_u, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(cache_s.k, np.stack(cache_u.k), rtol=1e-6, atol=1e-6)
+    # Deeper layers' K come from earlier layers' outputs, which the scan fuses
+    # differently: float32 reassociation, the same bound as the logits.
+    np.testing.assert_allclose(cache_s.k, np.stack(cache_u.k), rtol=1e-5, atol=1e-5)
     assert int(cache_s.index) == int(cache_u.index) == 9
     # And against the full forward (the cache path computes the same positions).
     np.testing.assert_allclose(step_s, scanned(ids, pos)[:, 7:], rtol=1e-5, atol=1e-5)

@@ -547,7 +547,19 @@ def _quiet_library_logs() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     _quiet_library_logs()
-    run_group(cli, "runtime", argv)
+    try:
+        run_group(cli, "runtime", argv)
+    except SystemExit as e:
+        from runtime.host import startup
+
+        if startup.stopped():
+            # Every `finally` has run; skip only the interpreter's shutdown (see stopped()).
+            from runtime.host import hostlog
+
+            sys.stdout.flush()
+            sys.stderr.flush()
+            hostlog.hard_exit(e.code if isinstance(e.code, int) else 1)
+        raise
 
 
 if __name__ == "__main__":

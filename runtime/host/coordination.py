@@ -42,7 +42,7 @@ from typing import Any
 
 from jobspec.exit_codes import EXIT_HOST_LOST
 from jobspec.storage import on_retry
-from runtime.host import boot, hostlog
+from runtime.host import boot, hostlog, startup
 
 
 def _world() -> tuple[int, int]:
@@ -81,10 +81,12 @@ class StopAgreement:
                     "StopAgreement needs JAX's preemption service; leave "
                     "jax_enable_preemption_service on"
                 )
-            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
+            old = signal.signal(signal.SIGINT, self._on_sigint)
+            self._previous[signal.SIGINT] = startup.handler_before(signal.SIGINT, old)
         else:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+                old = signal.signal(sig, self._on_signal)
+                self._previous[sig] = startup.handler_before(sig, old)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self._signum = signum

@@ -275,21 +275,23 @@ def _train(
         every=cfg.checkpoint.every,
         last_step=cfg.training.total_steps,
     )
+    info = boot.current()
+    stop = StopAgreement(run_id=cfg.run.id, attempt=info.attempt if info else 0)
     try:
         run = _prepare(cfg, source_toml, resume, reshard, store, ckpt, manifest, mesh, from_step)
-        # From here the agreement below owns SIGTERM/SIGINT; a stop asked for during start-up
-        # whose exception some library swallowed is raised here, before any step.
+        # The agreement takes SIGTERM/SIGINT over before start-up lets go, so no signal finds
+        # the default handler in between; a stop asked for during start-up (also one whose
+        # exception some library swallowed) is raised by end(), before any step.
+        stop.install()
         startup.end()
     except BaseException:
+        stop.restore()
         ckpt.close(after_failure=True)  # logs what it cannot finish: the first error wins
         raise
     if resume:
         emit(
             f"resumed {cfg.run.id} from checkpoint {run.start_step}; training to step {cfg.training.total_steps}"
         )
-    info = boot.current()
-    stop = StopAgreement(run_id=cfg.run.id, attempt=info.attempt if info else 0)
-    stop.install()
     watchdog = HostWatchdog(
         timeout_s=cfg.runtime.host_loss_timeout_s,
         run_id=cfg.run.id,

@@ -119,6 +119,39 @@ def _snapshot(root: str) -> dict[str, bytes]:
     return {f: bytes(fs.cat_file(f)) for f in fs.find(path) if not f.endswith(".owner.lock")}
 
 
+def _threads_stopped(pid: int) -> bool:
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return all(s in "Tt" for s in states)
+
+
+def _freeze(proc: subprocess.Popen, root: str, timeout: float = 60) -> dict[str, bytes]:
+    """SIGSTOP `proc` and return the run's bytes once nothing moves any more. kill() returns before
+    every thread has stopped (one inside a write or an fsync finishes it first; on gs:// the
+    emulator completes an upload already sent), so wait for each thread's stopped state and then
+    for two snapshots in a row that agree."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not _threads_stopped(proc.pid):
+        assert time.monotonic() < deadline, "the first run did not stop"
+        time.sleep(0.01)
+    last = _snapshot(root)
+    while True:
+        time.sleep(0.5)
+        now = _snapshot(root)
+        if now == last:
+            return now
+        assert time.monotonic() < deadline, (
+            "the first run's files kept changing while it was stopped"
+        )
+        last = now
+
+
 def _cfg(tmp_path: Path, prepared: str, uri: str, **over) -> Path:
     base = {"training": {"target_tokens": 16 * 8 * STEPS}, "checkpoint": {"every": 10}}
     return write_config(tmp_path / "cfg.toml", tiny_config(prepared, uri, **{**base, **over}))
@@ -165,8 +198,7 @@ def test_second_process_on_a_run_is_refused_and_changes_nothing(where, tmp_path,
     first = _start(cfg)
     try:
         _wait_for_rows(root, 3, first)
-        first.send_signal(signal.SIGSTOP)  # frozen, still alive: nothing moves while we compare
-        before = _snapshot(root)
+        before = _freeze(first, root)  # frozen, still alive: nothing moves while we compare
         refused = [run_cli("local", str(cfg))]
         if where == "local":  # --resume is refused the same way (before it reads the index)
             refused.append(run_cli("local", str(cfg), "--resume"))

@@ -78,14 +78,202 @@ _MOE = HFFamily(
     export=_moe_export,
 )
 
+# ---- Gemma 4 -----------------------------------------------------------------------------------
+
+#: HF Gemma4TextConfig's defaults for the keys our [model.gemma4] reads (a config.json written by
+#: transformers holds them all; other tools' may not).
+_GEMMA4_HF_DEFAULTS: dict[str, Any] = {
+    "sliding_window": 512,
+    "attention_k_eq_v": False,
+    "num_kv_shared_layers": 0,
+    "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262_144,
+    "enable_moe_block": False,
+    "use_double_wide_mlp": False,
+    "final_logit_softcapping": None,
+}
+_GEMMA4_ROPE_DEFAULTS = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1e6,
+    },
+}
+
+
+def _gemma4_text_config(hf: dict[str, Any], what: str) -> tuple[dict[str, Any], int]:
+    """The text config of a `gemma4_text` or multimodal `gemma4` config.json, and how many of
+    the multimodal parts' sub-configs (vision, audio) it set aside."""
+    if hf.get("model_type") != "gemma4":
+        return hf, 0
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{what}: a model_type 'gemma4' config.json needs a text_config object")
+    towers = sum(1 for k in ("vision_config", "audio_config") if hf.get(k))
+    dtype = hf.get("dtype", hf.get("torch_dtype"))
+    text = {**text, "model_type": "gemma4_text"}
+    if dtype is not None:
+        text.setdefault("dtype", dtype)
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+    return text, towers
+
+
+def _gemma4_layer_heads(
+    hf: dict[str, Any], types: list[str], problems: list[str]
+) -> tuple[int, int | None]:
+    """(global head dim, global kv heads or None) from `per_layer_config` (transformers' form)
+    or `global_head_dim` / `num_global_key_value_heads` (other tools')."""
+    head_dim = hf.get("head_dim", 256)
+    plc = hf.get("per_layer_config")
+    if plc is None:
+        kv = hf.get("num_global_key_value_heads")
+        # As transformers: the global kv-head count applies only with attention_k_eq_v.
+        kv = kv if hf.get("attention_k_eq_v", True) else None
+        return hf.get("global_head_dim", 512), kv
+    if not isinstance(plc, dict):
+        problems.append("a per_layer_config that is not an object")
+        return head_dim, None
+    seen: set[tuple[int, int | None]] = set()
+    for i, kind in enumerate(types):
+        over = plc.get(str(i), plc.get(i, {})) or {}
+        extra = sorted(set(over) - {"head_dim", "num_key_value_heads"})
+        if extra:
+            problems.append(f"per_layer_config[{i}] overriding {extra[0]!r}")
+        if kind == "sliding_attention":
+            if over:
+                problems.append(f"per_layer_config overrides on sliding layer {i}")
+            continue
+        seen.add((over.get("head_dim", head_dim), over.get("num_key_value_heads")))
+    if len(seen) > 1:
+        problems.append("full-attention layers with different per_layer_config head shapes")
+    return next(iter(seen)) if seen else (head_dim, None)
+
+
+def _gemma4_fields(hf: dict[str, Any], what: str) -> dict[str, Any]:
+    hf, _ = _gemma4_text_config(hf, what)
+    from jobspec.run_config import gemma4_default_layer_types
+
+    problems = []
+    if hf.get("attention_bias"):
+        problems.append("attention_bias = true")
+    act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        problems.append(f"hidden_activation = {act!r}")
+    if hf.get("use_bidirectional_attention") is not None:
+        problems.append(f"use_bidirectional_attention = {hf['use_bidirectional_attention']!r}")
+    n = hf.get("num_hidden_layers", 30)
+    types = hf.get("layer_types") or gemma4_default_layer_types(n)
+    if isinstance(types, list) and types:
+        types = [*types[:-1], "full_attention"]
+    rope = {**_GEMMA4_ROPE_DEFAULTS, **(hf.get("rope_parameters") or {})}
+    sliding, full = rope.get("sliding_attention") or {}, rope.get("full_attention") or {}
+    if sliding.get("rope_type", "default") != "default":
+        problems.append(f"sliding rope_type {sliding.get('rope_type')!r}")
+    if full.get("rope_type", "proportional") not in ("proportional", "default"):
+        problems.append(f"full_attention rope_type {full.get('rope_type')!r}")
+    if any(r.get("factor", 1.0) != 1.0 for r in (sliding, full)):
+        problems.append("a rope 'factor' other than 1")
+    global_head_dim, global_kv = _gemma4_layer_heads(hf, list(types), problems)
+    if problems:
+        raise ConfigError(
+            f"{what}: the HF config has {', '.join(problems)}, which jaxjob cannot load"
+        )
+    h = {**_GEMMA4_HF_DEFAULTS, **hf}
+    partial = 1.0 if full.get("rope_type") == "default" else full.get("partial_rotary_factor", 1.0)
+    g: dict[str, Any] = {
+        "layer_types": list(types),
+        "sliding_window": h["sliding_window"],
+        "global_head_dim": global_head_dim,
+        "num_global_kv_heads": global_kv,
+        "sliding_rope_theta": float(sliding.get("rope_theta", 10_000.0)),
+        "global_rope_theta": float(full.get("rope_theta", 1e6)),
+        "global_partial_rotary_factor": float(partial),
+        "attention_k_eq_v": bool(h["attention_k_eq_v"]),
+        "num_kv_shared_layers": h["num_kv_shared_layers"],
+        "hidden_size_per_layer_input": h["hidden_size_per_layer_input"] or 0,
+        "vocab_size_per_layer_input": h["vocab_size_per_layer_input"],
+        "enable_moe_block": bool(h["enable_moe_block"]),
+        "use_double_wide_mlp": bool(h["use_double_wide_mlp"]),
+        "final_logit_softcapping": h["final_logit_softcapping"],
+    }
+    if g["enable_moe_block"]:
+        g |= {k: hf.get(k) for k in ("num_experts", "top_k_experts", "moe_intermediate_size")}
+    out: dict[str, Any] = {"family": "gemma4_text", "gemma4": g, "scan_layers": False}
+    for ours, theirs in _PLAIN.items():
+        if hf.get(theirs) is not None:
+            out[ours] = hf[theirs]
+    out.setdefault("tie_word_embeddings", True)  # Gemma4TextConfig's default
+    out.setdefault("head_dim", 256)
+    dtype = hf.get("dtype", hf.get("torch_dtype"))
+    if dtype in _HF_DTYPES:
+        out["param_dtype"] = _HF_DTYPES[dtype]
+    return out
+
+
+def _gemma4_config(model: dict[str, Any]) -> dict[str, Any]:
+    """config.json of `Gemma4ForCausalLM` for a resolved gemma4_text [model] section."""
+    from jobspec.run_config import Gemma4Config
+
+    g = Gemma4Config(**(model.get("gemma4") or {}))
+    n = model["num_layers"]
+    types = g.resolved_layer_types(n)
+    full_heads: dict[str, Any] = {"head_dim": g.global_head_dim}
+    full_heads["num_key_value_heads"] = g.num_global_kv_heads or model["num_kv_heads"]
+    return {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": model["vocab_size"],
+        "hidden_size": model["hidden_size"],
+        "intermediate_size": model["intermediate_size"],
+        "num_hidden_layers": n,
+        "num_attention_heads": model["num_heads"],
+        "num_key_value_heads": model["num_kv_heads"],
+        "head_dim": model.get("head_dim") or model["hidden_size"] // model["num_heads"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": model["max_position_embeddings"],
+        "initializer_range": model.get("init_std", 0.02),
+        "rms_norm_eps": model["rms_norm_eps"],
+        "tie_word_embeddings": bool(model["tie_word_embeddings"]),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "sliding_window": g.sliding_window,
+        "layer_types": types,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": g.sliding_rope_theta},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": g.global_partial_rotary_factor,
+                "rope_theta": g.global_rope_theta,
+            },
+        },
+        "per_layer_config": {
+            str(i): dict(full_heads) for i, t in enumerate(types) if t == "full_attention"
+        },
+        "final_logit_softcapping": g.final_logit_softcapping,
+        "hidden_size_per_layer_input": g.hidden_size_per_layer_input,
+        "vocab_size_per_layer_input": g.vocab_size_per_layer_input or model["vocab_size"],
+        "attention_k_eq_v": g.attention_k_eq_v,
+        "num_kv_shared_layers": g.num_kv_shared_layers,
+        "enable_moe_block": g.enable_moe_block,
+        "use_double_wide_mlp": g.use_double_wide_mlp,
+        "num_experts": g.num_experts,
+        "top_k_experts": g.top_k_experts,
+        "moe_intermediate_size": g.moe_intermediate_size,
+        "use_cache": True,
+        "dtype": model.get("param_dtype", "float32"),
+    }
+
+
 #: HF model_type (= our ModelConfig.family) -> how that family's config.json reads and writes.
 #: The runtime's side of a family (module, name map, counts) is runtime/model/registry.py.
 HF_FAMILIES: dict[str, HFFamily] = {
     "qwen3": HFFamily(architecture="Qwen3ForCausalLM"),
     "qwen3_moe": _MOE,
+    "gemma4_text": HFFamily(architecture="Gemma4ForCausalLM", keys=("gemma4",)),
 }
-#: HF model_type -> our ModelConfig.family.
-FAMILIES: dict[str, str] = {t: t for t in HF_FAMILIES}
+#: HF model_type -> our ModelConfig.family (the multimodal `gemma4` imports its text model).
+FAMILIES: dict[str, str] = {t: t for t in HF_FAMILIES} | {"gemma4": "gemma4_text"}
 ARCHITECTURES: dict[str, str] = {t: f.architecture for t, f in HF_FAMILIES.items()}
 #: The further keys an HF config fills for the MoE family.
 HF_MOE_KEYS: tuple[str, ...] = _MOE.keys
@@ -105,6 +293,12 @@ def fills_nothing(model: dict[str, Any]) -> bool:
     family = model.get("family")
     fam = HF_FAMILIES.get(family) if isinstance(family, str) else None
     keys = HF_KEYS + (fam.keys if fam else ())
+    if family == "gemma4_text":
+        from jobspec.run_config import Gemma4Config
+
+        g = model.get("gemma4")
+        if not isinstance(g, dict) or not set(Gemma4Config.model_fields) <= set(g):
+            return False
     return all(k in model for k in keys)
 
 
@@ -143,10 +337,12 @@ def _rope_theta(hf: dict[str, Any]) -> float | None:
 def model_fields_from_hf(hf: dict[str, Any], *, what: str = "model.init_from") -> dict[str, Any]:
     """`[model]` keys (our names) that an HF config.json determines; ConfigError if unsupported."""
     model_type = hf.get("model_type")
-    if model_type not in HF_FAMILIES:
+    if model_type not in FAMILIES:
         raise ConfigError(
             f"{what}: model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})"
         )
+    if FAMILIES[model_type] == "gemma4_text":
+        return _gemma4_fields(hf, what)
     problems = []
     if hf.get("attention_bias"):
         problems.append("attention_bias = true")
@@ -189,6 +385,8 @@ def model_fields_from_hf(hf: dict[str, Any], *, what: str = "model.init_from") -
 def hf_config_from_model(model: dict[str, Any]) -> dict[str, Any]:
     """An HF config.json dict for a resolved `[model]` section (our names, as in resolved.json)."""
     family = model.get("family", "qwen3")
+    if family == "gemma4_text":
+        return _gemma4_config(model)
     head_dim = model.get("head_dim") or model["hidden_size"] // model["num_heads"]
     out: dict[str, Any] = {
         "architectures": [HF_FAMILIES[family].architecture],

@@ -85,7 +85,11 @@ def _fill_from_hf(data: dict, source: str) -> dict:
     if fills_nothing(model):  # e.g. a resolved.json: nothing to fill
         return data
     hf = model_fields_from_hf(read_hf_config(path, what=what), what=what)
-    return {**data, "model": {**hf, **model}}  # explicit TOML keys win
+    merged = {**hf, **model}  # explicit TOML keys win, inside sub-tables too ([model.gemma4])
+    for key, value in hf.items():
+        if isinstance(value, dict) and isinstance(model.get(key), dict):
+            merged[key] = {**value, **model[key]}
+    return {**data, "model": merged}
 
 
 def parse_run_config(data: dict, source: str = "run config") -> RunConfig:

@@ -52,10 +52,167 @@ class RunSection(Section):
         return self
 
 
-class ModelConfig(Section):
-    """Qwen3-family decoder sizes. Names follow the Hugging Face config keys."""
+GEMMA4_LAYER_TYPES = ("sliding_attention", "full_attention")
 
-    family: Literal["qwen3", "qwen3_moe"] = Field("qwen3", description="Architecture family.")
+
+def gemma4_default_layer_types(num_layers: int) -> list[str]:
+    """HF Gemma4TextConfig's default pattern: 5 sliding layers then 1 full, the last forced full."""
+    types = [
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)
+    ]
+    types[-1] = "full_attention"
+    return types
+
+
+class Gemma4Config(Section):
+    """The `gemma4_text` family's own settings (HF `Gemma4TextConfig`). The shared `[model]` keys
+    describe its sliding-attention layers: `head_dim`, `num_kv_heads`; `intermediate_size` is the
+    dense MLP width of every layer; `rope_theta` is not used (see the two thetas here)."""
+
+    layer_types: list[Literal["sliding_attention", "full_attention"]] | None = Field(
+        None,
+        description=(
+            "Attention type per layer; default 5 sliding : 1 full. A last layer that is not "
+            "full_attention is made full, as transformers does."
+        ),
+    )
+    sliding_window: PositiveInt = Field(
+        512, description="Keys a sliding-attention token sees: itself and the window-1 before it."
+    )
+    global_head_dim: PositiveInt = Field(512, description="Head dim of the full-attention layers.")
+    num_global_kv_heads: PositiveInt | None = Field(
+        None, description="KV heads of the full-attention layers; default num_kv_heads."
+    )
+    sliding_rope_theta: PositiveFloat = Field(
+        10_000.0, description="RoPE base of the sliding layers (full rotary)."
+    )
+    global_rope_theta: PositiveFloat = Field(
+        1_000_000.0, description="RoPE base of the full layers (proportional partial RoPE)."
+    )
+    global_partial_rotary_factor: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.25, description="Fraction of the full layers' head dim that is rotated."
+    )
+    attention_k_eq_v: bool = Field(
+        False, description="Full layers use the key projection as values too (no v_proj there)."
+    )
+    num_kv_shared_layers: NonNegativeInt = Field(
+        0,
+        description=(
+            "The last N layers have no K/V weights and reuse the keys/values of the last earlier "
+            "layer of their own attention type."
+        ),
+    )
+    hidden_size_per_layer_input: NonNegativeInt = Field(
+        0, description="Per-layer input embedding width (0 = no per-layer inputs)."
+    )
+    vocab_size_per_layer_input: PositiveInt | None = Field(
+        None, description="Rows of the per-layer embedding table; default vocab_size."
+    )
+    enable_moe_block: bool = Field(
+        False, description="Every layer adds a routed MoE beside its dense MLP."
+    )
+    num_experts: PositiveInt | None = Field(None, description="MoE experts per layer.")
+    top_k_experts: PositiveInt | None = Field(None, description="Experts each token uses.")
+    moe_intermediate_size: PositiveInt | None = Field(None, description="Width of each expert.")
+    use_double_wide_mlp: bool = Field(
+        False, description="The KV-shared layers' dense MLP is twice intermediate_size wide."
+    )
+    final_logit_softcapping: PositiveFloat | None = Field(
+        None, description="Logits become c * tanh(logits / c) (none = no capping)."
+    )
+
+    def resolved_layer_types(self, num_layers: int) -> list[str]:
+        """layer_types, or the default pattern, with the last layer full (as transformers)."""
+        if self.layer_types is None:
+            return gemma4_default_layer_types(num_layers)
+        types = list(self.layer_types)
+        if types:
+            types[-1] = "full_attention"
+        return types
+
+
+def gemma4_kv_sources(layer_types: list[str], num_kv_shared_layers: int) -> list[int]:
+    """For each layer, the layer whose keys/values it attends to (itself when it owns K/V): a
+    shared layer reads the last non-shared layer of its own type, -1 when there is none."""
+    n = len(layer_types)
+    first_shared = n - num_kv_shared_layers
+    out = []
+    for i, kind in enumerate(layer_types):
+        if i < first_shared:
+            out.append(i)
+        else:
+            owners = [j for j in range(first_shared) if layer_types[j] == kind]
+            out.append(owners[-1] if owners else -1)
+    return out
+
+
+def gemma4_problem(m: ModelConfig) -> str | None:
+    """Why a gemma4_text ModelConfig cannot be built (one sentence naming the field), or None."""
+    g = m.gemma4
+    if g is None:
+        return "model.family 'gemma4_text' needs a [model.gemma4] table (it may be empty)"
+    n = m.num_layers
+    if g.layer_types is not None and len(g.layer_types) != n:
+        return (
+            f"model.gemma4.layer_types has {len(g.layer_types)} entries but model.num_layers is "
+            f"{n}; give one type per layer"
+        )
+    types = g.resolved_layer_types(n)
+    if g.num_kv_shared_layers >= n:
+        return (
+            f"model.gemma4.num_kv_shared_layers = {g.num_kv_shared_layers} leaves no layer that "
+            f"computes keys/values (model.num_layers = {n}); lower it"
+        )
+    for i, src in enumerate(gemma4_kv_sources(types, g.num_kv_shared_layers)):
+        if src < 0:
+            return (
+                f"model.gemma4.num_kv_shared_layers = {g.num_kv_shared_layers} makes layer {i} "
+                f"({types[i]}) reuse keys/values, but no earlier non-shared layer is {types[i]}; "
+                "lower it or change model.gemma4.layer_types"
+            )
+    kv_global = g.num_global_kv_heads or m.num_kv_heads
+    if m.num_heads % kv_global:
+        return (
+            f"model.gemma4.num_global_kv_heads ({kv_global}) must divide model.num_heads "
+            f"({m.num_heads})"
+        )
+    moe = {"num_experts": g.num_experts, "top_k_experts": g.top_k_experts,
+           "moe_intermediate_size": g.moe_intermediate_size}  # fmt: skip
+    if g.enable_moe_block:
+        missing = [k for k, v in moe.items() if v is None]
+        if missing:
+            return f"model.gemma4.enable_moe_block needs model.gemma4.{', model.gemma4.'.join(missing)}"
+        if g.top_k_experts > g.num_experts:
+            return (
+                f"model.gemma4.top_k_experts ({g.top_k_experts}) exceeds model.gemma4.num_experts "
+                f"({g.num_experts})"
+            )
+    elif any(v is not None for v in moe.values()):
+        return "model.gemma4.num_experts/top_k_experts/moe_intermediate_size need model.gemma4.enable_moe_block = true"
+    if 2 * int(g.global_partial_rotary_factor * g.global_head_dim // 2) == 0:
+        return (
+            f"model.gemma4.global_partial_rotary_factor = {g.global_partial_rotary_factor} rotates "
+            f"no dimension of model.gemma4.global_head_dim = {g.global_head_dim}; raise it"
+        )
+    if m.scan_layers:
+        return (
+            "model.scan_layers = true is not available for gemma4_text (its layers differ in "
+            "head dim, K/V ownership and MLP width); set it to false"
+        )
+    if m.router_bias_update_rate:
+        return "model.router_bias_update_rate is a qwen3_moe setting; gemma4_text's router has no selection bias"
+    return None
+
+
+class ModelConfig(Section):
+    """Decoder sizes (Qwen3 and Gemma 4 families). Names follow the Hugging Face config keys."""
+
+    family: Literal["qwen3", "qwen3_moe", "gemma4_text"] = Field(
+        "qwen3", description="Architecture family."
+    )
+    gemma4: Gemma4Config | None = Field(
+        None, description="gemma4_text: the family's own settings ([model.gemma4])."
+    )
     init_from: str | None = Field(
         None,
         description=(
@@ -131,6 +288,16 @@ class ModelConfig(Section):
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
+    @model_validator(mode="before")
+    @classmethod
+    def _family_defaults(cls, data: object) -> object:
+        # gemma4_text's layers differ from each other, so they are never scanned by default.
+        if isinstance(data, dict) and data.get("family") == "gemma4_text":
+            data = {"scan_layers": False, **data}
+            if data.get("gemma4") is None:
+                data["gemma4"] = {}
+        return data
+
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
         if self.num_heads % self.num_kv_heads:
@@ -155,6 +322,12 @@ class ModelConfig(Section):
             raise ValueError(
                 "num_experts/num_experts_per_tok/moe_intermediate_size need family = 'qwen3_moe'"
             )
+        if self.family == "gemma4_text":
+            problem = gemma4_problem(self)
+            if problem:
+                raise ValueError(problem)
+        elif self.gemma4 is not None:
+            raise ValueError("model.gemma4 needs model.family = 'gemma4_text'")
         return self
 
 

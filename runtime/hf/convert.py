@@ -9,6 +9,7 @@ explicit `param_dtype` that differs from the checkpoint's casts on import.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,9 @@ def model_config_from_hf(path: str | Path, **overrides: Any) -> ModelConfig:
 
 def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[Path_, np.ndarray]:
     """Our parameters (flat: NNX path -> array) from an HF state dict."""
-    table = spec_for(cfg).hf_names(cfg)
-    known = {e.name for e in table}
+    spec = spec_for(cfg)
+    table = spec.hf_names(cfg)
+    known = {e.name for e in table} | spec.hf_ignored(cfg)
     if cfg.tie_word_embeddings:
         known.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
     extra = sorted(set(tensors) - known)
@@ -91,9 +93,36 @@ def flat_params(params: Any) -> dict[Path_, Any]:
     return traverse_util.flatten_dict(params)
 
 
+def text_model_tensors(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """A multimodal Gemma 4 checkpoint's text model under the text-only names
+    (`model.language_model.X` -> `model.X`; `lm_head.*` as it is), and the names left out (the
+    vision and audio towers and their embedders)."""
+    prefix = "model.language_model."
+    out, left = {}, []
+    for name, a in tensors.items():
+        if name.startswith(prefix):
+            out["model." + name[len(prefix) :]] = a
+        elif name.startswith("lm_head."):
+            out[name] = a
+        else:
+            left.append(name)
+    return out, sorted(left)
+
+
 def load_hf_params(path: str | Path, cfg: ModelConfig) -> dict[Path_, np.ndarray]:
-    """Flat parameters for `cfg` from the HF dir at `path`."""
-    return params_from_hf(cfg, read_safetensors(path))
+    """Flat parameters for `cfg` from the HF dir at `path`. A multimodal Gemma 4 checkpoint
+    (`model_type: gemma4`) gives its text model; a note on stderr says what was left out."""
+    tensors = read_safetensors(path)
+    if read_hf_config(path, what=str(path)).get("model_type") == "gemma4":
+        tensors, left = text_model_tensors(tensors)
+        if left:
+            groups = sorted({".".join(n.split(".")[:2]) for n in left})
+            print(
+                f"note: {path} is a multimodal Gemma 4 checkpoint; imported its text model and "
+                f"left out {len(left)} tensors of {', '.join(groups)}",
+                file=sys.stderr,
+            )
+    return params_from_hf(cfg, tensors)
 
 
 def _host(x: Any) -> np.ndarray:

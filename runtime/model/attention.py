@@ -1,10 +1,12 @@
 """Causal self-attention kernels behind `model.attention`, one entry point for the decoder.
 
-    attend(q, k, v, segment_ids, impl=...)   q [B, T, H, D], k/v [B, T, KV, D] -> [B, T, H, D]
+    attend(q, k, v, segment_ids, impl=..., scale=None, window=None)
+        q [B, T, H, D], k/v [B, T, KV, D] -> [B, T, H, D]
 
 Attention is causal and, with segment ids [B, T], limited to equal ids (packed documents never
-see each other). Query head h reads kv head h // (H / KV) (HF's repeat_kv order); scale
-1/sqrt(D); softmax in fp32. `xla` is the einsum reference every other kernel is tested against;
+see each other); with a `window` W, a query also sees only itself and the W-1 keys before it
+(HF's sliding window, `kv > q - W`). Query head h reads kv head h // (H / KV) (HF's repeat_kv
+order); scale 1/sqrt(D) unless `scale` is given (Gemma 4 uses 1.0); softmax in fp32. `xla` is the einsum reference every other kernel is tested against;
 `masked_attention` is its dense-mask form, which decoding against a KV cache uses.
 
 The kernels:
@@ -56,34 +58,44 @@ _SPLASH_BLOCKS = (512, 256, 128)
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float | None = None
+) -> jax.Array:
     """q [B,T,H,D], k/v [B,S,KV,D], mask bool [B|1, T, S] (True = may attend) -> [B,T,H,D]."""
     b, t, h, hd = q.shape
     kvh = k.shape[2]
     # Grouped einsum instead of materialising repeat_kv: head h = g * rep + r reads kv head g.
     qg = q.reshape(b, t, kvh, h // kvh, hd)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (hd**-0.5)
+    scores = scores * (hd**-0.5 if scale is None else scale)
     # where (not an additive -inf) so a masked slot is exactly 0 after softmax.
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h, hd)
 
 
-def causal_mask(t: int, segment_ids: jax.Array | None) -> jax.Array:
-    """bool [B|1, T, T]: causal, and within equal segment ids when given."""
+def causal_mask(t: int, segment_ids: jax.Array | None, window: int | None = None) -> jax.Array:
+    """bool [B|1, T, T]: causal, within equal segment ids when given, and within `window`."""
     idx = jnp.arange(t)
-    mask = (idx[:, None] >= idx[None, :])[None]
+    mask = idx[:, None] >= idx[None, :]
+    if window is not None:
+        mask = mask & (idx[None, :] > idx[:, None] - window)
+    mask = mask[None]
     if segment_ids is not None:
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     return mask
 
 
 def xla_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """The reference: scores for every (query, key) pair, masked, softmaxed."""
-    return masked_attention(q, k, v, causal_mask(q.shape[1], segment_ids))
+    return masked_attention(q, k, v, causal_mask(q.shape[1], segment_ids, window), scale)
 
 
 # --- platform ---------------------------------------------------------------------------------
@@ -156,9 +168,10 @@ def _splash_block(t: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(heads: int, t: int, interpret: bool):
-    """The splash kernel for `heads` local query heads over T tokens, causal (built once per
-    shape: the mask's block structure is computed in numpy at construction)."""
+def _splash_kernel(heads: int, t: int, interpret: bool, window: int | None = None):
+    """The splash kernel for `heads` local query heads over T tokens, causal, and local to
+    `window` keys when given (built once per shape: the mask's block structure is computed in
+    numpy at construction, and blocks outside the window are skipped)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     blk = _splash_block(t)
@@ -172,7 +185,11 @@ def _splash_kernel(heads: int, t: int, interpret: bool):
         block_q_dq=blk,
         block_kv_dq=blk,
     )
-    mask = sa.MultiHeadMask([sa.CausalMask((t, t)) for _ in range(heads)])
+    if window is None:
+        one = sa.CausalMask((t, t))
+    else:
+        one = sa.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
+    mask = sa.MultiHeadMask([one for _ in range(heads)])
     # Built at trace time: the mask tables must be concrete, and are kept as numpy so the cached
     # kernel holds no jax value of any one trace or device (they become constants of the step).
     with jax.ensure_compile_time_eval():
@@ -183,15 +200,22 @@ def _splash_kernel(heads: int, t: int, interpret: bool):
 
 
 def _splash_local(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, interpret: bool
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    interpret: bool,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """Splash on one device's shard: q [b,T,h,D], k/v [b,T,kv,D], segment_ids [b,T] | None."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     _, t, h, d = q.shape
-    kernel = _splash_kernel(h, t, interpret)
+    kernel = _splash_kernel(h, t, interpret, window)
     # The kernel takes heads-major [H, T, D] per example and applies no scale of its own.
-    qh = jnp.swapaxes(q * jnp.asarray(d**-0.5, q.dtype), 1, 2)
+    scale = d**-0.5 if scale is None else scale
+    qh = jnp.swapaxes(q if scale == 1.0 else q * jnp.asarray(scale, q.dtype), 1, 2)
     kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     if segment_ids is None:
         out = jax.vmap(lambda a, b, c: kernel(a, b, c))(qh, kh, vh)
@@ -244,9 +268,11 @@ def splash_attention(
     segment_ids: jax.Array | None,
     *,
     interpret: bool = False,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """Splash attention; inside `jax.shard_map` over the current mesh when there is one."""
-    local = functools.partial(_splash_local, interpret=interpret)
+    local = functools.partial(_splash_local, interpret=interpret, scale=scale, window=window)
     return per_shard(local, q, k, v, segment_ids)
 
 
@@ -265,13 +291,22 @@ def cudnn_attention(
     segment_ids: jax.Array | None,
     *,
     implementation: str = "cudnn",
+    scale: float | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """cuDNN fused attention through `jax.nn.dot_product_attention` (GQA native, layout BTNH).
     `implementation="xla"` runs the very same call through jax's XLA path, which is how the
     arguments are checked on a machine without a GPU."""
     mask = None if segment_ids is None else document_mask(segment_ids)
     out = jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=True, implementation=implementation
+        q,
+        k,
+        v,
+        mask=mask,
+        scale=scale,
+        is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation=implementation,
     )
     return out.astype(q.dtype)
 
@@ -286,8 +321,10 @@ def attend(
     segment_ids: jax.Array | None,
     *,
     impl: str = "xla",
+    scale: float | None = None,
+    window: int | None = None,
 ) -> jax.Array:
-    """Causal (and segment-limited) attention with the chosen kernel."""
+    """Causal (and segment-limited, and window-limited) attention with the chosen kernel."""
     platform = target_platform()
     kernel = resolve(impl, platform)
     if kernel != "xla":
@@ -301,7 +338,10 @@ def attend(
                     "set model.attention to 'xla' or 'auto' (which falls back to xla)"
                 )
     if kernel == "splash":
-        return splash_attention(q, k, v, segment_ids, interpret=platform != "tpu")
+        return splash_attention(
+            q, k, v, segment_ids, interpret=platform != "tpu", scale=scale, window=window
+        )
     if kernel == "cudnn":
-        return per_shard(cudnn_attention, q, k, v, segment_ids)
-    return xla_attention(q, k, v, segment_ids)
+        local = functools.partial(cudnn_attention, scale=scale, window=window)
+        return per_shard(local, q, k, v, segment_ids)
+    return xla_attention(q, k, v, segment_ids, scale, window)

@@ -104,8 +104,14 @@ def head_logits(h: jax.Array, kernel: jax.Array) -> jax.Array:
 
 
 def _objective_sums(
-    logits: jax.Array, tok: dict[str, jax.Array], objective: str, clip_eps: float
+    logits: jax.Array,
+    tok: dict[str, jax.Array],
+    objective: str,
+    clip_eps: float,
+    softcap: float | None = None,
 ) -> LossSums:
+    if softcap is not None:  # Gemma's final_logit_softcapping, as the model's own logits
+        logits = jnp.tanh(logits / softcap) * softcap
     if objective == "clipped_pg":
         return clipped_pg_sums(
             logits, tok["targets"], tok["mask"], tok["advantages"], tok["old_logprobs"], clip_eps
@@ -124,8 +130,10 @@ def hidden_loss_sums(
     advantages: jax.Array | None = None,
     old_logprobs: jax.Array | None = None,
     clip_eps: float = 0.2,
+    softcap: float | None = None,
 ) -> LossSums:
-    """(loss sum, count, clipped count) of `objective` on the logits h @ kernel, made and dropped
+    """(loss sum, count, clipped count) of `objective` on the logits h @ kernel (soft-capped to
+    softcap * tanh(logits / softcap) when `softcap` is set), made and dropped
     `chunk_size` sequence positions at a time so that the [B, T, V] float32 logits never exist.
 
     h: final-normed hidden states [B, T, D]; kernel: the LM head [D, V] (both compute dtype);
@@ -152,14 +160,14 @@ def hidden_loss_sums(
     b, t, _ = h.shape
     if chunk_size <= 0 or chunk_size >= t:
         h = constrain(h, ("batch", "length", "embed"))
-        return _objective_sums(head_logits(h, kernel), tok, objective, clip_eps)
+        return _objective_sums(head_logits(h, kernel), tok, objective, clip_eps, softcap)
 
     dtype = kernel.dtype
 
     @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def chunk(w: jax.Array, hc: jax.Array, tc: dict[str, jax.Array]) -> LossSums:
         hc = constrain(hc, ("batch", "length", "embed"))
-        return _objective_sums(head_logits(hc, w.astype(dtype)), tc, objective, clip_eps)
+        return _objective_sums(head_logits(hc, w.astype(dtype)), tc, objective, clip_eps, softcap)
 
     w = kernel.astype(jnp.promote_types(dtype, jnp.float32))
     n = t // chunk_size

@@ -69,7 +69,8 @@ class Gemma4Config(Section):
     describe its sliding-attention layers: `head_dim`, `num_kv_heads`; `intermediate_size` is the
     dense MLP width of every layer; `rope_theta` is not used (see the two thetas here)."""
 
-    layer_types: list[Literal["sliding_attention", "full_attention"]] | None = Field(
+    # A tuple, so the config (a static attribute of the model's graph) stays hashable.
+    layer_types: tuple[Literal["sliding_attention", "full_attention"], ...] | None = Field(
         None,
         description=(
             "Attention type per layer; default 5 sliding : 1 full. A last layer that is not "

@@ -285,12 +285,26 @@ PUBLISHED = {
 TIED = {"qwen3-0.6b.toml", "qwen3-1.7b.toml", "qwen3-4b.toml"}
 
 
+#: Gemma 4 files: total parameters on the model card (google/gemma-4-31B: 30.7B).
+GEMMA4_PUBLISHED = {"gemma4-31b.toml": 30.7e9}
+
+
 def test_every_model_file_has_a_published_count():
-    assert sorted(p.name for p in MODELS.glob("*.toml")) == sorted(PUBLISHED)
+    names = sorted(p.name for p in MODELS.glob("*.toml"))
+    assert names == sorted({**PUBLISHED, **GEMMA4_PUBLISHED})
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA4_PUBLISHED))
+def test_gemma4_model_files_match_the_published_count_and_an_hf_import(name):
+    m = ModelConfig.model_validate(read_toml(MODELS / name)["model"])
+    assert m.family == "gemma4_text" and m.scan_layers is False
+    assert parameter_counts(m)["total"] == pytest.approx(GEMMA4_PUBLISHED[name], rel=0.01)
+    fields = model_fields_from_hf(hf_config_from_model(m.model_dump()))
+    assert ModelConfig.model_validate({**m.model_dump(), **fields}) == m
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_model_files_match_the_published_parameter_counts(name):
+def test_model_files_match_the_published_parameter_counts(name):  # Qwen3
     data = read_toml(MODELS / name)
     assert list(data) == ["model"], "a model file holds only a [model] section"
     m = ModelConfig.model_validate(data["model"])
@@ -342,6 +356,7 @@ def test_the_planned_jobs_are_the_issues():
     assert got["qwen3-8b-h100x32"] == (36, 32, 32)  # 1 sequence a GPU on 4 x 8 H100
     assert got["qwen3-32b-v5p-256"][0] == 64 and got["qwen3-1.7b-v6e-256"][2] == 256
     assert any(load_run_config(p)[0].model.family == "qwen3_moe" for p in PLANS)
+    assert got["gemma4-31b-v5p-128"] == (60, 64, 64) and got["gemma4-31b-h100x32"] == (60, 32, 32)
 
 
 JOBS = sorted((ROOT / "configs/jobs").glob("*.yaml"))

@@ -27,7 +27,7 @@ from runtime.hf.convert import (  # noqa: E402
 )
 from runtime.hf.files import read_safetensors  # noqa: E402
 from runtime.model.build import build_model  # noqa: E402
-from runtime.model.flops import parameter_counts  # noqa: E402
+from runtime.model.flops import flops_per_token, parameter_counts  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 
 #: fp32 parity bound (the issue's); observed differences are ~1e-6.
@@ -203,7 +203,7 @@ def test_parameter_count_matches_the_model_and_transformers(tmp_path, case):
     ours = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     counts = parameter_counts(cfg)
     assert counts["total"] == ours == hf_total
-    flops = counts and __import__("runtime.model.flops", fromlist=["x"]).flops_per_token(cfg, 64)
+    flops = flops_per_token(cfg, 64)
     # Sliding layers count only the window's keys; full layers all T.
     shapes = [
         (t == "sliding_attention", 16 if t == "sliding_attention" else 32)

@@ -262,6 +262,13 @@ _COMPILE = textwrap.dedent(
         if family == "qwen3_moe":
             model.update(family=family, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=48, router_bias_update_rate=0.01)
+        if family == "gemma4_text":  # every Gemma 4 feature; the per-layer table is [512, 4 x 16]
+            model.update(family=family, num_layers=4, head_dim=16, gemma4=dict(
+                layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8,
+                global_head_dim=32, num_global_kv_heads=1, attention_k_eq_v=True,
+                num_kv_shared_layers=2, hidden_size_per_layer_input=16, enable_moe_block=True,
+                num_experts=4, top_k_experts=2, moe_intermediate_size=48,
+                use_double_wide_mlp=True, final_logit_softcapping=30.0))
         cfg = parse_run_config(dict(
             run=dict(id="t", output_uri="/tmp/unused"), model=model,
             data=dict(manifest="/tmp/unused/manifest.json"),
@@ -283,6 +290,8 @@ _MESHES = [
     ("qwen3", {"data": 2, "fsdp": 4}),
     ("qwen3_moe", {"fsdp": 8}),
     ("qwen3_moe", {"fsdp": 4, "tensor": 2}),
+    ("gemma4_text", {"fsdp": 8}),
+    ("gemma4_text", {"fsdp": 4, "tensor": 2}),
 ]
 
 

@@ -153,11 +153,23 @@ def unsupported(
             return f"cudnn runs on CUDA GPUs only, not {platform}"
         if q.dtype not in _CUDNN_DTYPES:
             return f"cudnn needs bfloat16 or float16 q/k/v (model.compute_dtype), got {q.dtype}"
-        if d % 8 or d > 256:
-            return f"cudnn needs a head dim that is a multiple of 8 and at most 256, got {d}"
+        limit = _cudnn_max_head_dim()
+        if d % 8 or d > limit:
+            return f"cudnn needs a head dim that is a multiple of 8 and at most {limit}, got {d}"
         if segment_ids is not None and t % 2:
             return f"cudnn with a document mask needs an even sequence length, got {t}"
     return None
+
+
+def _cudnn_max_head_dim() -> int:
+    """cuDNN's flash attention takes head dims up to 256 on Hopper or later, 128 before. JAX
+    asks the local device; with none (a deviceless compile for GPU) it assumes 128, so do we."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_compute_capability
+
+        return 256 if check_compute_capability("9.0") else 128
+    except Exception:  # no CUDA device, or a JAX without the helper: the safe bound
+        return 128
 
 
 # --- splash (TPU) -----------------------------------------------------------------------------

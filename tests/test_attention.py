@@ -325,3 +325,55 @@ def test_cudnn_on_gpu_refuses_fp32():
     # auto takes xla for fp32 rather than failing.
     text = _train_like(mesh, "auto").lower(*_abstract(mesh, 8, 256, 8, 4, 128, jnp.float32))
     assert "cudnn" not in text.as_text()
+
+
+# ---- sliding window and scale (Gemma 4's sliding layers: window W, scaling 1.0) -------------
+
+WINDOW = 100  # crosses splash's 128-blocks and the documents of PACKED
+
+
+def _windowed_reference(q, k, v, seg):
+    """The window spelled out as a dense mask: key s is visible to query t when
+    t - WINDOW < s <= t and (with segment ids) both are in one document."""
+    t = q.shape[1]
+    idx = np.arange(t)
+    mask = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - WINDOW)
+    mask = jnp.asarray(mask)[None]
+    if seg is not None:
+        mask = mask & (seg[:, :, None] == seg[:, None, :])
+    return attention.masked_attention(q, k, v, mask, scale=0.5)
+
+
+@pytest.mark.parametrize("name", ["gqa2-one-doc", "gqa2-packed"])
+@pytest.mark.parametrize("kernel", ["xla", "splash", "cudnn-as-xla"])
+def test_sliding_window_and_scale_in_every_kernel(name, kernel):
+    (q, k, v, seg), _ = case(name)
+    want, want_g = value_and_grads(_windowed_reference, q, k, v, seg)
+    if kernel == "cudnn-as-xla":
+
+        def fn(q, k, v, s):
+            return attention.cudnn_attention(
+                q, k, v, s, implementation="xla", scale=0.5, window=WINDOW
+            )
+    else:
+
+        def fn(q, k, v, s):
+            return attention.attend(q, k, v, s, impl=kernel, scale=0.5, window=WINDOW)
+
+    got, got_g = value_and_grads(fn, q, k, v, seg)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    for g, wg in zip(got_g, want_g, strict=True):
+        np.testing.assert_allclose(g, wg, atol=1e-4, rtol=1e-4)
+    # The window matters here: plain causal attention differs.
+    plain = np.asarray(attention.attend(q, k, v, seg, impl="xla", scale=0.5))
+    assert np.max(np.abs(plain - want)) > 1e-3
+
+
+def test_cudnn_head_dim_bound_is_jaxs_own():
+    """Without a Hopper device (a deviceless compile) cuDNN flash attention takes head dims up
+    to 128, so a 256-wide head is refused in one sentence and `auto` falls back to xla."""
+    q, k, _ = qkv(1, 8, 2, 1, d=256, dtype=jnp.bfloat16)
+    why = attention.unsupported("cudnn", q, k, None, "cuda")
+    assert why == "cudnn needs a head dim that is a multiple of 8 and at most 128, got 256"
+    q, k, _ = qkv(1, 8, 2, 1, d=128, dtype=jnp.bfloat16)
+    assert attention.unsupported("cudnn", q, k, None, "cuda") is None

@@ -102,21 +102,19 @@ _GEMMA4_ROPE_DEFAULTS = {
 }
 
 
-def _gemma4_text_config(hf: dict[str, Any], what: str) -> tuple[dict[str, Any], int]:
-    """The text config of a `gemma4_text` or multimodal `gemma4` config.json, and how many of
-    the multimodal parts' sub-configs (vision, audio) it set aside."""
+def _gemma4_text_config(hf: dict[str, Any], what: str) -> dict[str, Any]:
+    """The text config of a `gemma4_text` or multimodal `gemma4` config.json."""
     if hf.get("model_type") != "gemma4":
-        return hf, 0
+        return hf
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{what}: a model_type 'gemma4' config.json needs a text_config object")
-    towers = sum(1 for k in ("vision_config", "audio_config") if hf.get(k))
     dtype = hf.get("dtype", hf.get("torch_dtype"))
     text = {**text, "model_type": "gemma4_text"}
     if dtype is not None:
         text.setdefault("dtype", dtype)
     text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
-    return text, towers
+    return text
 
 
 def _gemma4_layer_heads(
@@ -151,7 +149,7 @@ def _gemma4_layer_heads(
 
 
 def _gemma4_fields(hf: dict[str, Any], what: str) -> dict[str, Any]:
-    hf, _ = _gemma4_text_config(hf, what)
+    hf = _gemma4_text_config(hf, what)
     from jobspec.run_config import gemma4_default_layer_types
 
     problems = []

@@ -111,9 +111,10 @@ def text_model_tensors(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.nda
 
 def load_hf_params(path: str | Path, cfg: ModelConfig) -> dict[Path_, np.ndarray]:
     """Flat parameters for `cfg` from the HF dir at `path`. A multimodal Gemma 4 checkpoint
-    (`model_type: gemma4`) gives its text model; a note on stderr says what was left out."""
+    (tensors under `model.language_model.*`) gives its text model; a note on stderr says what
+    was left out."""
     tensors = read_safetensors(path)
-    if read_hf_config(path, what=str(path)).get("model_type") == "gemma4":
+    if any(n.startswith("model.language_model.") for n in tensors):
         tensors, left = text_model_tensors(tensors)
         if left:
             groups = sorted({".".join(n.split(".")[:2]) for n in left})

@@ -62,21 +62,20 @@ from runtime.model.layers import (
     ACT_KV_HEADS,
     ACT_MLP,
     ACT_ROPE,
+    REMAT_POLICIES,
     Dense,
     constrain_logits,
     dtype_of,
     normal_param,
+    remat_call,
+    rope_tables,
+    softcap,
 )
 from runtime.model.moe import _top_k_onehot
 from runtime.model.sharding import constrain
 
 #: The per-layer inputs [batch, length, layer, per-layer width].
 ACT_PER_LAYER = ("batch", "length", None, None)
-
-_REMAT_POLICIES: dict[str, Any] = {
-    "block": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
 
 
 def _g(cfg: ModelConfig) -> Gemma4Config:
@@ -118,18 +117,10 @@ class Norm(nnx.Module):
         return y.astype(x.dtype)
 
 
-def _inv_freq(dim: int, theta: float, rotated: int) -> jax.Array:
-    """[dim/2] inverse frequencies 1/theta^(2i/dim) for i < rotated, 0 (no rotation) after."""
-    i = jnp.arange(0, 2 * rotated, 2, dtype=jnp.float32)
-    inv = 1.0 / (theta ** (i / dim))
-    return jnp.concatenate([inv, jnp.zeros((dim // 2 - rotated,), jnp.float32)])
-
-
 def rope(positions: jax.Array, dim: int, theta: float, rotated: int) -> tuple[jax.Array, jax.Array]:
-    """fp32 cos/sin [B, T, dim] (HF's cat(freqs, freqs)), batch-sharded."""
-    freqs = positions.astype(jnp.float32)[..., None] * _inv_freq(dim, theta, rotated)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return constrain(jnp.cos(emb), ACT_ROPE), constrain(jnp.sin(emb), ACT_ROPE)
+    """fp32 cos/sin [B, T, dim] with `rotated` turning frequencies, batch-sharded."""
+    cos, sin = rope_tables(positions, dim, theta, rotated)
+    return constrain(cos, ACT_ROPE), constrain(sin, ACT_ROPE)
 
 
 def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -434,18 +425,6 @@ def _block_forward(block: Block, x, cos, sin, seg, pli, shared):
     return out, published[:2], load
 
 
-def _remat_block_forward(policy, block: Block, x, cos, sin, seg, pli, shared):
-    # A pure jax.checkpoint over the block's split state (as qwen3's).
-    graphdef, state = nnx.split(block)
-
-    def pure(state, x, cos, sin, seg, pli, shared):
-        return _block_forward(nnx.merge(graphdef, state), x, cos, sin, seg, pli, shared)
-
-    return jax.checkpoint(pure, policy=policy, prevent_cse=True)(
-        state, x, cos, sin, seg, pli, shared
-    )
-
-
 class Decoder(nnx.Module):
     """Gemma 4 causal LM: token ids in, float32 logits out (the interface of qwen3.Decoder)."""
 
@@ -453,7 +432,6 @@ class Decoder(nnx.Module):
         g = _g(cfg)
         self.cfg = cfg
         self.compute_dtype = dtype_of(cfg.compute_dtype)
-        self.param_dtype = dtype_of(cfg.param_dtype)
         self.shapes = tuple(layer_shapes(cfg))
         self.sources = tuple(s.source for s in self.shapes)
         self.logit_softcap = g.final_logit_softcapping
@@ -537,8 +515,8 @@ class Decoder(nnx.Module):
         """Final-normed hidden states [B, T, D] and the expert loads [L, E] (None without MoE)."""
         x, pli = self._embed(inputs)
         ropes = self._ropes(positions)
-        policy = _REMAT_POLICIES.get(self.cfg.remat)
-        fn = _block_forward if policy is None else partial(_remat_block_forward, policy)
+        policy = REMAT_POLICIES.get(self.cfg.remat)
+        fn = _block_forward if policy is None else partial(remat_call, policy, _block_forward)
         published: dict[int, tuple] = {}
         loads = []
         for i, block in enumerate(self.layers):
@@ -592,11 +570,6 @@ class Decoder(nnx.Module):
         h = constrain(self.norm(x), ACT_EMBED)
         t = inputs.shape[1]
         return self.logits(h), Gemma4Cache(tuple(new_k), tuple(new_v), cache.index + t)
-
-
-def softcap(logits: jax.Array, cap: float) -> jax.Array:
-    """cap * tanh(logits / cap) (HF's final_logit_softcapping), in the logits' dtype."""
-    return jnp.tanh(logits / cap) * cap
 
 
 def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Decoder:

@@ -110,9 +110,41 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """fp32 cos/sin [B, T, head_dim] for integer positions [B, T], HF default RoPE."""
+#: Policies per ModelConfig.remat; "none" (absent) means no checkpoint wrapper at all.
+REMAT_POLICIES: dict[str, Any] = {
+    # Keep projection/MLP matmul outputs (dots without batch dims), recompute the cheap rest.
+    "block": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Keep nothing but the block's inputs; recompute the whole block in the backward pass.
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def remat_call(policy: Any, fn: Any, module: nnx.Module, *args: Any) -> Any:
+    """fn(module, *args) under `jax.checkpoint(policy)`, as a pure function of the module's split
+    state: the forward mutates nothing, and this (unlike nnx.remat) does not write non-Param
+    variables such as the MoE router bias back across trace levels."""
+    graphdef, state = nnx.split(module)
+
+    def pure(state: Any, *args: Any) -> Any:
+        return fn(nnx.merge(graphdef, state), *args)
+
+    return jax.checkpoint(pure, policy=policy, prevent_cse=True)(state, *args)
+
+
+def softcap(logits: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(logits / cap) (Gemma's final_logit_softcapping)."""
+    return jnp.tanh(logits / cap) * cap
+
+
+def rope_tables(
+    positions: jax.Array, head_dim: int, theta: float, rotated: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """fp32 cos/sin [B, T, head_dim] for integer positions [B, T], HF default RoPE; with
+    `rotated` r only the first r frequencies turn and the rest are 0 (identity): HF's
+    proportional RoPE, which pairs dims [0, r) with [head_dim/2, head_dim/2 + r)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if rotated is not None:
+        inv_freq = jnp.where(jnp.arange(head_dim // 2) < rotated, inv_freq, 0.0)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)

@@ -56,12 +56,14 @@ from runtime.model.layers import (
     ACT_MLP,
     ACT_ROPE,
     LAYERS_AXIS,
+    REMAT_POLICIES,
     Dense,
     Embed,
     RMSNorm,
     apply_rope,
     constrain_logits,
     dtype_of,
+    remat_call,
     rope_tables,
     stack_layers,
 )
@@ -83,14 +85,6 @@ LOGICAL_AXES: tuple[str, ...] = (
 #: (`jax.checkpoint_policies.save_only_these_names`): the q/k/v projections (before q/k norm and
 #: RoPE, which are cheap to redo) and the attention output (the o_proj input).
 ATTENTION_CHECKPOINT_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attention_out")
-
-# Policies per ModelConfig.remat; "none" means no checkpoint wrapper at all.
-_REMAT_POLICIES: dict[str, Any] = {
-    # Keep projection/MLP matmul outputs (dots without batch dims), recompute the cheap rest.
-    "block": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # Keep nothing but the block's inputs; recompute the whole block in the backward pass.
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
 
 
 class KVCache(NamedTuple):
@@ -239,25 +233,6 @@ def _block_forward(
     return out, load
 
 
-def _remat_block_forward(
-    policy: Any,
-    block: Block,
-    x: jax.Array,
-    cos: jax.Array,
-    sin: jax.Array,
-    segment_ids: jax.Array | None,
-) -> tuple[jax.Array, jax.Array | None]:
-    # A pure jax.checkpoint over the block's split state: the forward mutates nothing, and this
-    # (unlike nnx.remat) does not write non-Param variables such as the MoE router bias back
-    # across trace levels.
-    graphdef, state = nnx.split(block)
-
-    def pure(state: Any, x: jax.Array, cos: jax.Array, sin: jax.Array, seg: Any) -> Any:
-        return _block_forward(nnx.merge(graphdef, state), x, cos, sin, seg)
-
-    return jax.checkpoint(pure, policy=policy, prevent_cse=True)(state, x, cos, sin, segment_ids)
-
-
 def _scan_blocks(
     policy: Any,
     stacked: Block,
@@ -317,6 +292,9 @@ class Decoder(nnx.Module):
             kw = {"rngs": rngs, "eager_sharding": eager_sharding}
             self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, **kw)
 
+    #: Qwen3 logits are not soft-capped (the train step's loss reads this, as for Gemma 4).
+    logit_softcap: float | None = None
+
     def head_kernel(self) -> jax.Array:
         """The LM head as [hidden, vocab] in compute dtype (the embedding's transpose when tied)."""
         if self.cfg.tie_word_embeddings:
@@ -367,14 +345,14 @@ class Decoder(nnx.Module):
         and the expert loads; the loss applies `head_kernel` to them chunk by chunk instead of
         materialising all logits."""
         cos, sin = self._rope(positions)
-        policy = _REMAT_POLICIES.get(self.cfg.remat)
+        policy = REMAT_POLICIES.get(self.cfg.remat)
         x = constrain(self.embed_tokens(inputs), ACT_EMBED)
         if self.cfg.scan_layers:
             x, stacked = _scan_blocks(policy, self.layers, x, cos, sin, segment_ids)
         else:
             block_fn = _block_forward
             if policy is not None:
-                block_fn = partial(_remat_block_forward, policy)
+                block_fn = partial(remat_call, policy, _block_forward)
             loads = []
             for block in self.layers:
                 x, load = block_fn(block, x, cos, sin, segment_ids)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from runtime.model.layers import constrain_logits
+from runtime.model.layers import softcap as apply_softcap
 from runtime.model.sharding import constrain
 
 
@@ -111,7 +112,7 @@ def _objective_sums(
     softcap: float | None = None,
 ) -> LossSums:
     if softcap is not None:  # Gemma's final_logit_softcapping, as the model's own logits
-        logits = jnp.tanh(logits / softcap) * softcap
+        logits = apply_softcap(logits, softcap)
     if objective == "clipped_pg":
         return clipped_pg_sums(
             logits, tok["targets"], tok["mask"], tok["advantages"], tok["old_logprobs"], clip_eps

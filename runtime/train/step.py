@@ -65,7 +65,7 @@ def _loss_sums(
         advantages=mb["advantages"] if pg else None,
         old_logprobs=mb["old_logprobs"] if pg else None,
         clip_eps=pg_clip_epsilon,
-        softcap=getattr(model, "logit_softcap", None),
+        softcap=model.logit_softcap,
     )
     return (loss_sum, (count, clipped, loads)) if with_loads else (loss_sum, count)
 

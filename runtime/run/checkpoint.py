@@ -654,13 +654,19 @@ class _OneLineOrbaxErrors(logging.Filter):
 
 
 class _QuietOrbaxLeftovers(logging.Filter):
-    """After a failed save, asyncio reports each of Orbax's unawaited write futures as "exception
-    was never retrieved", with a traceback; the save error itself is reported once, by us."""
+    """After a failed save or restore, asyncio reports each of Orbax's sibling reads and writes
+    that failed too but were never awaited as "exception was never retrieved", with a traceback,
+    whenever the garbage collector reaches them (often after our sentence). The failure itself is
+    reported once, by us (`_raise_save_error`, `unreadable`, a storage fault): drop these."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if "exception was never retrieved" not in str(record.msg):
+            return True
         exc = record.exc_info[1] if record.exc_info else None
-        left = "exception was never retrieved" in str(record.msg)
-        return not (left and exc is not None and storage_fault(exc) is not None)
+        if exc is not None and storage_fault(exc) is not None:
+            return False
+        # The task's repr names its coroutine and where it is defined: one of Orbax's.
+        return "/orbax/checkpoint/" not in record.getMessage()
 
 
 logging.getLogger("absl").addFilter(_OneLineOrbaxErrors())

@@ -364,7 +364,9 @@ def _abandon_failed_task(filename: str) -> None:
     import asyncio
     import gc
 
-    code = compile("async def read():\n    raise ValueError('OUT_OF_RANGE: torn')\n", filename, "exec")
+    code = compile(
+        "async def read():\n    raise ValueError('OUT_OF_RANGE: torn')\n", filename, "exec"
+    )
     scope: dict = {}
     exec(code, scope)
     loop = asyncio.new_event_loop()

@@ -16,7 +16,8 @@ from jobspec.run_config import RunConfig
 
 # Recomputation policy and attention kernel: same numbers (to rounding), same shapes.
 _MODEL_FREE = {"remat", "attention"}
-# Keys added after checkpoints were first written, with the value an older checkpoint implies.
+# Keys added after checkpoints were first written, with the value an older checkpoint implies;
+# an added key whose value is None (an optional setting or section left unset) needs no entry.
 _INTRODUCED = {"model.scan_layers": False}
 
 
@@ -73,6 +74,8 @@ def check_compatible(
     # manifest, and the tokenizer is the cause worth naming.
     keys = list(current) + [k for k in saved if k not in current]
     for key in keys:
+        if key not in saved and key not in _INTRODUCED and current.get(key) is None:
+            continue  # an optional setting added since the checkpoint: unset then and now
         old = saved.get(key, _INTRODUCED.get(key, "<absent>"))
         new = current.get(key, "<absent>")
         if old != new and key.startswith(TOPOLOGY):

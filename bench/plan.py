@@ -43,6 +43,9 @@ MATRIX: dict[str, tuple[str, str, list[str], list[str]]] = {
         [*XLA, "model.remat=none", "model.num_layers=8", "training.loss_chunk_size=0"]),
     "flops-qwen3-8b-8L-v5p256-remat-none-xla": (
         V5P_8B, "tpu-v5p-256", [], [*XLA, "model.remat=none", "model.num_layers=8"]),
+    "gemma4-31b-v5p128-seq4096": ("configs/plan/gemma4-31b-v5p-128.toml", "tpu-v5p-128", [], []),
+    "gemma4-31b-h100x32-seq4096": (
+        "configs/plan/gemma4-31b-h100x32.toml", "h100-80gb", ["--hosts", "4"], []),
 }  # fmt: skip
 
 

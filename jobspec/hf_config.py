@@ -263,12 +263,116 @@ def _gemma4_config(model: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# ---- Qwen3-Next -------------------------------------------------------------------------------
+
+#: HF Qwen3NextConfig's defaults for the keys our [model.qwen3_next] reads.
+_QWEN3_NEXT_HF_DEFAULTS: dict[str, Any] = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "shared_expert_intermediate_size": 512,
+    "decoder_sparse_step": 1,
+}
+_QWEN3_NEXT_MOE_DEFAULTS = {"num_experts": 512, "num_experts_per_tok": 10,
+                            "moe_intermediate_size": 512, "norm_topk_prob": True}  # fmt: skip
+
+
+def _qwen3_next_fields(hf: dict[str, Any], what: str) -> dict[str, Any]:
+    problems = []
+    if hf.get("attention_bias"):
+        problems.append("attention_bias = true")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act = {hf.get('hidden_act')!r}")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in (None, "default"):
+        problems.append(f"rope_type {kind!r} (only default RoPE)")
+    if problems:
+        raise ConfigError(
+            f"{what}: the HF config has {', '.join(problems)}, which jaxjob cannot load"
+        )
+    h = {**_QWEN3_NEXT_HF_DEFAULTS, **_QWEN3_NEXT_MOE_DEFAULTS, **hf}
+    n = h.get("num_hidden_layers", 48)
+    types = hf.get("layer_types")
+    if not types:
+        interval = hf.get("full_attention_interval", 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    q: dict[str, Any] = {k: h[k] for k in _QWEN3_NEXT_HF_DEFAULTS}
+    q["layer_types"] = list(types)
+    q["mlp_only_layers"] = list(h.get("mlp_only_layers") or [])
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    q["partial_rotary_factor"] = float(factor)
+    out: dict[str, Any] = {"family": "qwen3_next", "qwen3_next": q, "scan_layers": False}
+    for ours, theirs in _PLAIN.items():
+        if hf.get(theirs) is not None:
+            out[ours] = hf[theirs]
+    out.setdefault("tie_word_embeddings", False)  # Qwen3NextConfig's default
+    out.setdefault("head_dim", 256)
+    out["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    if h["num_experts"]:  # 0: every layer dense, as in transformers
+        out |= {k: h[k] for k in _QWEN3_NEXT_MOE_DEFAULTS}
+    dtype = hf.get("dtype", hf.get("torch_dtype"))
+    if dtype in _HF_DTYPES:
+        out["param_dtype"] = _HF_DTYPES[dtype]
+    return out
+
+
+def _qwen3_next_config(model: dict[str, Any]) -> dict[str, Any]:
+    """config.json of `Qwen3NextForCausalLM` for a resolved qwen3_next [model] section."""
+    from jobspec.run_config import Qwen3NextConfig
+
+    q = Qwen3NextConfig(**(model.get("qwen3_next") or {}))
+    n = model["num_layers"]
+    moe = model.get("num_experts") is not None
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "vocab_size": model["vocab_size"],
+        "hidden_size": model["hidden_size"],
+        "intermediate_size": model["intermediate_size"],
+        "num_hidden_layers": n,
+        "num_attention_heads": model["num_heads"],
+        "num_key_value_heads": model["num_kv_heads"],
+        "head_dim": model.get("head_dim") or model["hidden_size"] // model["num_heads"],
+        "hidden_act": "silu",
+        "max_position_embeddings": model["max_position_embeddings"],
+        "initializer_range": model.get("init_std", 0.02),
+        "rms_norm_eps": model["rms_norm_eps"],
+        "tie_word_embeddings": bool(model["tie_word_embeddings"]),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(model["rope_theta"]),
+            "partial_rotary_factor": q.partial_rotary_factor,
+        },
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "layer_types": q.resolved_layer_types(n),
+        "linear_conv_kernel_dim": q.linear_conv_kernel_dim,
+        "linear_key_head_dim": q.linear_key_head_dim,
+        "linear_value_head_dim": q.linear_value_head_dim,
+        "linear_num_key_heads": q.linear_num_key_heads,
+        "linear_num_value_heads": q.linear_num_value_heads,
+        "decoder_sparse_step": q.decoder_sparse_step,
+        "mlp_only_layers": list(q.mlp_only_layers),
+        "num_experts": model["num_experts"] if moe else 0,
+        "num_experts_per_tok": model["num_experts_per_tok"] if moe else 1,
+        "moe_intermediate_size": model["moe_intermediate_size"] if moe else 1,
+        "shared_expert_intermediate_size": q.shared_expert_intermediate_size,
+        "norm_topk_prob": bool(model.get("norm_topk_prob", True)),
+        "use_cache": True,
+        "dtype": model.get("param_dtype", "float32"),
+    }
+
+
 #: HF model_type (= our ModelConfig.family) -> how that family's config.json reads and writes.
 #: The runtime's side of a family (module, name map, counts) is runtime/model/registry.py.
 HF_FAMILIES: dict[str, HFFamily] = {
     "qwen3": HFFamily(architecture="Qwen3ForCausalLM"),
     "qwen3_moe": _MOE,
     "gemma4_text": HFFamily(architecture="Gemma4ForCausalLM", keys=("gemma4",)),
+    "qwen3_next": HFFamily(architecture="Qwen3NextForCausalLM", keys=("qwen3_next",)),
 }
 #: HF model_type -> our ModelConfig.family (the multimodal `gemma4` imports its text model).
 FAMILIES: dict[str, str] = {t: t for t in HF_FAMILIES} | {"gemma4": "gemma4_text"}
@@ -297,6 +401,13 @@ def fills_nothing(model: dict[str, Any]) -> bool:
         g = model.get("gemma4")
         if not isinstance(g, dict) or not set(Gemma4Config.model_fields) <= set(g):
             return False
+    if family == "qwen3_next":
+        from jobspec.run_config import Qwen3NextConfig
+
+        q = model.get("qwen3_next")
+        if not isinstance(q, dict) or not set(Qwen3NextConfig.model_fields) <= set(q):
+            return False
+        keys += HF_MOE_KEYS  # present (as null for a dense model) in a resolved table
     return all(k in model for k in keys)
 
 
@@ -341,6 +452,8 @@ def model_fields_from_hf(hf: dict[str, Any], *, what: str = "model.init_from") -
         )
     if FAMILIES[model_type] == "gemma4_text":
         return _gemma4_fields(hf, what)
+    if FAMILIES[model_type] == "qwen3_next":
+        return _qwen3_next_fields(hf, what)
     problems = []
     if hf.get("attention_bias"):
         problems.append("attention_bias = true")
@@ -385,6 +498,8 @@ def hf_config_from_model(model: dict[str, Any]) -> dict[str, Any]:
     family = model.get("family", "qwen3")
     if family == "gemma4_text":
         return _gemma4_config(model)
+    if family == "qwen3_next":
+        return _qwen3_next_config(model)
     head_dim = model.get("head_dim") or model["hidden_size"] // model["num_heads"]
     out: dict[str, Any] = {
         "architectures": [HF_FAMILIES[family].architecture],

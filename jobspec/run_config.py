@@ -205,14 +205,142 @@ def gemma4_problem(m: ModelConfig) -> str | None:
     return None
 
 
-class ModelConfig(Section):
-    """Decoder sizes (Qwen3 and Gemma 4 families). Names follow the Hugging Face config keys."""
+QWEN3_NEXT_LAYER_TYPES = ("linear_attention", "full_attention")
 
-    family: Literal["qwen3", "qwen3_moe", "gemma4_text"] = Field(
+
+class Qwen3NextConfig(Section):
+    """The `qwen3_next` family's own settings (HF `Qwen3NextConfig`). The shared `[model]` keys
+    describe its full-attention layers (`num_heads`, `num_kv_heads`, `head_dim`, `rope_theta`),
+    the dense MLP of non-MoE layers (`intermediate_size`) and the routed experts
+    (`num_experts`, `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`,
+    `router_bias_update_rate`; unset experts: every layer is dense)."""
+
+    # A tuple, so the config (a static attribute of the model's graph) stays hashable.
+    layer_types: tuple[Literal["linear_attention", "full_attention"], ...] | None = Field(
+        None,
+        description=(
+            "Token mixer per layer (Gated DeltaNet or gated full attention); default: every "
+            "full_attention_interval-th layer full, the rest linear."
+        ),
+    )
+    full_attention_interval: PositiveInt = Field(
+        4,
+        description="Without layer_types: layers i with (i + 1) % interval == 0 are full attention.",
+    )
+    linear_conv_kernel_dim: PositiveInt = Field(
+        4, description="Width of the DeltaNet layers' depthwise causal convolution over q, k, v."
+    )
+    linear_key_head_dim: PositiveInt = Field(128, description="DeltaNet query/key head dim.")
+    linear_value_head_dim: PositiveInt = Field(128, description="DeltaNet value head dim.")
+    linear_num_key_heads: PositiveInt = Field(16, description="DeltaNet query/key heads.")
+    linear_num_value_heads: PositiveInt = Field(
+        32, description="DeltaNet value heads; a multiple of linear_num_key_heads."
+    )
+    partial_rotary_factor: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.25,
+        description="Fraction of the full-attention head dim that RoPE rotates (the first dims).",
+    )
+    shared_expert_intermediate_size: PositiveInt = Field(
+        512,
+        description="Width of the SwiGLU shared expert beside the routed experts of MoE layers.",
+    )
+    decoder_sparse_step: PositiveInt = Field(
+        1, description="Layers i with (i + 1) % step == 0 are MoE layers (when experts are set)."
+    )
+    mlp_only_layers: tuple[NonNegativeInt, ...] = Field(
+        (), description="Layer indices that use the dense MLP instead of the MoE."
+    )
+    chunk_size: PositiveInt = Field(
+        64, description="Tokens per chunk of the chunked gated delta rule (training and prefill)."
+    )
+
+    def resolved_layer_types(self, num_layers: int) -> list[str]:
+        """layer_types, or transformers' default pattern from full_attention_interval."""
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        n = self.full_attention_interval
+        return [
+            "full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(num_layers)
+        ]
+
+    def moe_layers(self, num_layers: int, num_experts: int | None) -> list[bool]:
+        """Per layer: does it route through experts (HF's mlp_only_layers / decoder_sparse_step)?"""
+        return [
+            bool(num_experts)
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+            for i in range(num_layers)
+        ]
+
+
+_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def qwen3_next_problem(m: ModelConfig) -> str | None:
+    """Why a qwen3_next ModelConfig cannot be built (one sentence naming the field), or None."""
+    q = m.qwen3_next
+    if q is None:
+        return "model.family 'qwen3_next' needs a [model.qwen3_next] table (it may be empty)"
+    n = m.num_layers
+    if q.layer_types is not None and len(q.layer_types) != n:
+        return (
+            f"model.qwen3_next.layer_types has {len(q.layer_types)} entries but model.num_layers "
+            f"is {n}; give one type per layer"
+        )
+    if q.linear_num_value_heads % q.linear_num_key_heads:
+        return (
+            f"model.qwen3_next.linear_num_value_heads ({q.linear_num_value_heads}) must be a "
+            f"multiple of model.qwen3_next.linear_num_key_heads ({q.linear_num_key_heads})"
+        )
+    bad = [i for i in q.mlp_only_layers if i >= n]
+    if bad:
+        return (
+            f"model.qwen3_next.mlp_only_layers names layer {bad[0]}, but model.num_layers is {n} "
+            f"(layers 0-{n - 1})"
+        )
+    rotated = int(m.resolved_head_dim * q.partial_rotary_factor)
+    if rotated < 2 or rotated % 2:
+        return (
+            f"model.qwen3_next.partial_rotary_factor = {q.partial_rotary_factor} rotates {rotated} "
+            f"of model.head_dim = {m.resolved_head_dim} dims; it must rotate an even number, at "
+            "least 2"
+        )
+    given = [k for k in _MOE_KEYS if getattr(m, k) is not None]
+    if given and len(given) < len(_MOE_KEYS):
+        missing = [k for k in _MOE_KEYS if getattr(m, k) is None]
+        return (
+            f"model.{given[0]} gives qwen3_next routed experts, which also need "
+            f"model.{', model.'.join(missing)}"
+        )
+    if given and m.num_experts_per_tok > m.num_experts:
+        return (
+            f"model.num_experts_per_tok ({m.num_experts_per_tok}) exceeds model.num_experts "
+            f"({m.num_experts})"
+        )
+    if m.router_bias_update_rate and not any(q.moe_layers(n, m.num_experts)):
+        return (
+            "model.router_bias_update_rate needs MoE layers, but this qwen3_next model has none "
+            "(set model.num_experts, or check model.qwen3_next.mlp_only_layers)"
+        )
+    if m.scan_layers:
+        return (
+            "model.scan_layers = true is not available for qwen3_next (its layers differ in token "
+            "mixer and MLP); set it to false"
+        )
+    return None
+
+
+class ModelConfig(Section):
+    """Decoder sizes (Qwen3, Qwen3-Next and Gemma 4 families). Names follow the Hugging Face config keys."""
+
+    family: Literal["qwen3", "qwen3_moe", "gemma4_text", "qwen3_next"] = Field(
         "qwen3", description="Architecture family."
     )
     gemma4: Gemma4Config | None = Field(
         None, description="gemma4_text: the family's own settings ([model.gemma4])."
+    )
+    qwen3_next: Qwen3NextConfig | None = Field(
+        None, description="qwen3_next: the family's own settings ([model.qwen3_next])."
     )
     init_from: str | None = Field(
         None,
@@ -222,21 +350,21 @@ class ModelConfig(Section):
         ),
     )
     num_experts: PositiveInt | None = Field(
-        None, description="qwen3_moe: routed experts per layer."
+        None, description="qwen3_moe, qwen3_next: routed experts per layer."
     )
     num_experts_per_tok: PositiveInt | None = Field(
-        None, description="qwen3_moe: experts each token uses (top-k)."
+        None, description="qwen3_moe, qwen3_next: experts each token uses (top-k)."
     )
     moe_intermediate_size: PositiveInt | None = Field(
-        None, description="qwen3_moe: hidden width of each expert."
+        None, description="qwen3_moe, qwen3_next: hidden width of each expert."
     )
     norm_topk_prob: bool = Field(
-        True, description="qwen3_moe: renormalise the top-k router weights to sum to 1."
+        True, description="qwen3_moe, qwen3_next: renormalise the top-k router weights to sum to 1."
     )
     router_bias_update_rate: Annotated[float, Field(ge=0)] = Field(
         0.0,
         description=(
-            "qwen3_moe: aux-loss-free load balancing; per step each expert's selection bias moves by "
+            "qwen3_moe, qwen3_next: aux-loss-free load balancing; per step each expert's selection bias moves by "
             "this rate toward equal load (0 = off)."
         ),
     )
@@ -292,11 +420,14 @@ class ModelConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _family_defaults(cls, data: object) -> object:
-        # gemma4_text's layers differ from each other, so they are never scanned by default.
-        if isinstance(data, dict) and data.get("family") == "gemma4_text":
+        # gemma4_text's and qwen3_next's layers differ from each other, so they are never scanned
+        # by default.
+        own = {"gemma4_text": "gemma4", "qwen3_next": "qwen3_next"}
+        if isinstance(data, dict) and data.get("family") in own:
             data = {"scan_layers": False, **data}
-            if data.get("gemma4") is None:
-                data["gemma4"] = {}
+            section = own[data["family"]]
+            if data.get(section) is None:
+                data[section] = {}
         return data
 
     @model_validator(mode="after")
@@ -319,9 +450,10 @@ class ModelConfig(Section):
                 raise ValueError(
                     f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})"
                 )
-        elif any(getattr(self, k) is not None for k in moe):
+        elif self.family != "qwen3_next" and any(getattr(self, k) is not None for k in moe):
             raise ValueError(
-                "num_experts/num_experts_per_tok/moe_intermediate_size need family = 'qwen3_moe'"
+                "num_experts/num_experts_per_tok/moe_intermediate_size need family = 'qwen3_moe' "
+                "or 'qwen3_next'"
             )
         if self.family == "gemma4_text":
             problem = gemma4_problem(self)
@@ -329,6 +461,12 @@ class ModelConfig(Section):
                 raise ValueError(problem)
         elif self.gemma4 is not None:
             raise ValueError("model.gemma4 needs model.family = 'gemma4_text'")
+        if self.family == "qwen3_next":
+            problem = qwen3_next_problem(self)
+            if problem:
+                raise ValueError(problem)
+        elif self.qwen3_next is not None:
+            raise ValueError("model.qwen3_next needs model.family = 'qwen3_next'")
         return self
 
 

@@ -287,11 +287,31 @@ TIED = {"qwen3-0.6b.toml", "qwen3-1.7b.toml", "qwen3-4b.toml"}
 
 #: Gemma 4 files: total parameters on the model card (google/gemma-4-31B: 30.7B).
 GEMMA4_PUBLISHED = {"gemma4-31b.toml": 30.7e9}
+#: Qwen3-Next files: (total, active per token) on the model card (Qwen/Qwen3-Next-80B-A3B:
+#: 80B, 3B activated; the active count here is without the embedding table and head).
+QWEN3_NEXT_PUBLISHED = {"qwen3-next-80b-a3b.toml": (80e9, 3e9)}
 
 
 def test_every_model_file_has_a_published_count():
     names = sorted(p.name for p in MODELS.glob("*.toml"))
-    assert names == sorted({**PUBLISHED, **GEMMA4_PUBLISHED})
+    assert names == sorted({**PUBLISHED, **GEMMA4_PUBLISHED, **QWEN3_NEXT_PUBLISHED})
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_NEXT_PUBLISHED))
+def test_qwen3_next_model_files_match_the_published_count_and_an_hf_import(name):
+    m = ModelConfig.model_validate(read_toml(MODELS / name)["model"])
+    assert m.family == "qwen3_next" and m.scan_layers is False
+    total, active = QWEN3_NEXT_PUBLISHED[name]
+    counts = parameter_counts(m)
+    assert counts["total"] == pytest.approx(total, rel=0.01)
+    assert counts["active_non_embedding"] == pytest.approx(active, rel=0.1)
+    # Export a config.json, import it: the same model (the layer pattern the file leaves out
+    # comes back spelled out), so a second export is the first.
+    hf = hf_config_from_model(m.model_dump())
+    back = ModelConfig.model_validate({**m.model_dump(), **model_fields_from_hf(hf)})
+    assert back.qwen3_next.resolved_layer_types(48) == m.qwen3_next.resolved_layer_types(48)
+    assert back.model_copy(update={"qwen3_next": m.qwen3_next}) == m
+    assert hf_config_from_model(back.model_dump()) == hf
 
 
 @pytest.mark.parametrize("name", sorted(GEMMA4_PUBLISHED))

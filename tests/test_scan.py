@@ -269,6 +269,12 @@ _COMPILE = textwrap.dedent(
                 num_kv_shared_layers=2, hidden_size_per_layer_input=16, enable_moe_block=True,
                 num_experts=4, top_k_experts=2, moe_intermediate_size=48,
                 use_double_wide_mlp=True, final_logit_softcapping=30.0))
+        if family == "qwen3_next":  # DeltaNet + gated attention, MoE + dense, router bias
+            model.update(family=family, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=48, router_bias_update_rate=0.01, qwen3_next=dict(
+                layer_types=["linear_attention", "full_attention"], mlp_only_layers=[1],
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, shared_expert_intermediate_size=32, chunk_size=8))
         cfg = parse_run_config(dict(
             run=dict(id="t", output_uri="/tmp/unused"), model=model,
             data=dict(manifest="/tmp/unused/manifest.json"),
@@ -292,6 +298,7 @@ _MESHES = [
     ("qwen3_moe", {"fsdp": 4, "tensor": 2}),
     ("gemma4_text", {"fsdp": 8}),
     ("gemma4_text", {"fsdp": 4, "tensor": 2}),
+    ("qwen3_next", {"fsdp": 4, "tensor": 2}),
 ]
 
 

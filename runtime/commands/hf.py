@@ -34,8 +34,9 @@ def export_checkpoint(
 ) -> dict[str, Any]:
     """`runtime export hf`: one checkpoint of RUN as an HF model dir (config.json + safetensors).
 
-    Only parameters are exported: a qwen3_moe run's router bias (router_bias_update_rate > 0)
-    has no HF tensor, so HF routes such an export as if that bias were zero.
+    Only parameters are exported: a qwen3_moe or qwen3_next run's router bias
+    (router_bias_update_rate > 0) has no HF tensor, so HF routes such an export as if that bias
+    were zero.
     """
     _check_export_dir(out_dir)  # before the restore: a bad --out must not cost a checkpoint read
     _, cfg, step, parts, _ = restore_checkpoint(run, selector)

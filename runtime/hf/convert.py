@@ -25,9 +25,14 @@ Path_ = tuple[str | int, ...]
 
 
 def model_config_from_hf(path: str | Path, **overrides: Any) -> ModelConfig:
-    """The ModelConfig an HF dir's config.json describes (`overrides` are our key names)."""
+    """The ModelConfig an HF dir's config.json describes (`overrides` are our key names; a dict
+    for a family's own table, e.g. `qwen3_next={"chunk_size": 16}`, overrides inside it)."""
     fields = model_fields_from_hf(read_hf_config(path, what=str(path)), what=str(path))
-    return ModelConfig(**{**fields, **overrides})
+    merged = {**fields, **overrides}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(fields.get(key), dict):
+            merged[key] = {**fields[key], **value}
+    return ModelConfig(**merged)
 
 
 def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[Path_, np.ndarray]:
@@ -37,7 +42,7 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[Pat
     known = {e.name for e in table} | spec.hf_ignored(cfg)
     if cfg.tie_word_embeddings:
         known.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
-    extra = sorted(set(tensors) - known)
+    extra = sorted(n for n in set(tensors) - known if not n.startswith(spec.hf_ignored_prefixes))
     if extra:
         raise ConfigError(
             f"HF checkpoint has tensors jaxjob does not map, e.g. {extra[0]!r} ({len(extra)} in all)"
@@ -48,6 +53,8 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[Pat
         if e.name not in tensors:
             raise ConfigError(f"HF checkpoint lacks tensor {e.name!r}")
         a = tensors[e.name]
+        if e.hf_unit_axis is not None:
+            a = np.squeeze(a, axis=e.hf_unit_axis)
         a = np.ascontiguousarray(a.T) if e.transpose else a
         if not e.index:
             out[e.path] = a
@@ -80,7 +87,10 @@ def hf_from_params(cfg: ModelConfig, flat: dict[Path_, Any]) -> dict[str, np.nda
         a = np.asarray(flat[e.path])
         if e.index:
             a = a[e.index]
-        out[e.name] = np.ascontiguousarray(a.T) if e.transpose else np.ascontiguousarray(a)
+        a = a.T if e.transpose else a
+        if e.hf_unit_axis is not None:
+            a = np.expand_dims(a, e.hf_unit_axis)
+        out[e.name] = np.ascontiguousarray(a)
     return out
 
 

@@ -22,13 +22,16 @@ from jobspec.run_config import ModelConfig
 @dataclass(frozen=True)
 class Entry:
     """Our parameter at `path` (slice [layer, expert] of it, for those set) is HF tensor `name`,
-    transposed when `transpose`."""
+    transposed when `transpose` (after dropping `hf_unit_axis`, when set)."""
 
     path: tuple[str | int, ...]
     name: str
     transpose: bool
     expert: int | None = None
     layer: int | None = None
+    #: An HF axis of size 1 that our parameter does not have (dropped on import before any
+    #: transpose, put back on export after it), e.g. a depthwise conv weight [C, 1, K].
+    hf_unit_axis: int | None = None
 
     @property
     def index(self) -> tuple[int, ...]:
@@ -209,4 +212,69 @@ def gemma4_ignored(cfg: ModelConfig) -> set[str]:
                 f"model.layers.{i}.self_attn.{n}.weight"
                 for n in ("k_proj", "v_proj", "k_norm", "v_norm")
             }
+    return out
+
+
+def qwen3_next_names(cfg: ModelConfig) -> list[Entry]:
+    """Qwen3-Next (`Qwen3NextForCausalLM`, runtime/model/qwen3_next.py): unrolled layers only.
+
+    DeltaNet layers: `linear_attn.{in_proj_qkvz,in_proj_ba,out_proj}` transpose as every
+    projection (their outputs keep HF's per-key-head-group order); `conv1d.weight` [C, 1, K] is
+    our `conv1d.kernel` [K, C] (unit axis dropped, then transposed); `A_log`, `dt_bias` and the
+    gated norm's weight copy as they are. Attention layers: qwen3's names (`q_proj` is twice the
+    query width: [q | gate] per head). MoE layers: qwen3_moe's router and per-expert tensors as
+    HF saves them (`mlp.experts.{e}.{gate,up,down}_proj.weight`), plus `mlp.shared_expert.*` and
+    `mlp.shared_expert_gate.weight` [1, hidden]; dense layers: `mlp.{gate,up,down}_proj`.
+    """
+    from runtime.model.qwen3_next import layer_kinds
+
+    out = _ends(cfg)
+    for i, kind in enumerate(layer_kinds(cfg)):
+        at = partial(_gemma4_entry, i)
+        if kind.linear:
+            la = "linear_attn"
+            out += [
+                at((la, n, "kernel"), f"{la}.{n}.weight", True)
+                for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")
+            ]
+            out.append(
+                Entry(("layers", i, la, "conv1d", "kernel"), f"model.layers.{i}.{la}.conv1d.weight",
+                      True, hf_unit_axis=1)
+            )  # fmt: skip
+            out += [at((la, n), f"{la}.{n}", False) for n in ("A_log", "dt_bias")]
+            out.append(at((la, "norm", "scale"), f"{la}.norm.weight", False))
+        else:
+            out += [
+                at(("self_attn", f"{n}_proj", "kernel"), f"self_attn.{n}_proj.weight", True)
+                for n in "qkvo"
+            ]
+            out += [
+                at(("self_attn", f"{n}_norm", "scale"), f"self_attn.{n}_norm.weight", False)
+                for n in "qk"
+            ]
+        out += [
+            at((n, "scale"), f"{n}.weight", False)
+            for n in ("input_layernorm", "post_attention_layernorm")
+        ]
+        if not kind.moe:
+            out += [
+                at(("mlp", f"{n}_proj", "kernel"), f"mlp.{n}_proj.weight", True)
+                for n in ("gate", "up", "down")
+            ]
+            continue
+        assert cfg.num_experts is not None
+        out.append(at(("mlp", "gate", "kernel"), "mlp.gate.weight", True))
+        for e in range(cfg.num_experts):
+            out += [
+                Entry(("layers", i, "mlp", "experts", f"{n}_proj"),
+                      f"model.layers.{i}.mlp.experts.{e}.{n}_proj.weight", True, e)
+                for n in ("gate", "up", "down")
+            ]  # fmt: skip
+        out += [
+            at(("mlp", "shared_expert", f"{n}_proj", "kernel"), f"mlp.shared_expert.{n}_proj.weight", True)
+            for n in ("gate", "up", "down")
+        ]  # fmt: skip
+        out.append(
+            at(("mlp", "shared_expert_gate", "kernel"), "mlp.shared_expert_gate.weight", True)
+        )
     return out

@@ -94,19 +94,28 @@ class Embed(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """HF Qwen3RMSNorm: statistics in fp32, result cast back to the input dtype, times weight."""
+    """HF Qwen3RMSNorm: statistics in fp32, result cast back to the input dtype, times weight.
 
-    def __init__(self, dim: int, cfg: ModelConfig, *, eager_sharding: bool) -> None:
+    `zero_centred` is HF Qwen3NextRMSNorm instead: the weight is stored as w (initialised to 0)
+    and applied as (1 + w), in fp32 before the cast back."""
+
+    def __init__(
+        self, dim: int, cfg: ModelConfig, *, eager_sharding: bool, zero_centred: bool = False
+    ) -> None:
+        init = jnp.zeros if zero_centred else jnp.ones
         self.scale = nnx.Param(
-            jnp.ones((dim,), dtype_of(cfg.param_dtype)),
+            init((dim,), dtype_of(cfg.param_dtype)),
             out_sharding=("norm",),
             eager_sharding=eager_sharding,
         )
         self.eps = cfg.rms_norm_eps
+        self.zero_centred = zero_centred
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        if self.zero_centred:
+            return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
 
 

@@ -172,22 +172,37 @@ def load_max_over_mean(loads: jax.Array) -> jax.Array:
 
 
 def update_router_bias(others: tuple, loads: jax.Array, rate: float) -> tuple:
-    """bias_i <- bias_i + rate * sign(mean(load_i) - load_i) for every layer i's RouterBias.
+    """bias_i <- bias_i + rate * sign(mean(load_i) - load_i) for every MoE layer's RouterBias.
 
-    others: the non-Param states from `nnx.split(model, nnx.Param, ...)`; loads [L, E] in layer
-    order. Per-layer biases (`layers.{i}.mlp.router_bias` [E]) take row i; a scanned model's one
-    stacked bias (`layers.mlp.router_bias` [L, E]) takes all rows at once. Returns others with
-    the same structure. Runs outside any gradient.
+    others: the non-Param states from `nnx.split(model, nnx.Param, ...)`; loads [M, E], one row
+    per layer that has a router bias, in layer order (M = num_layers when every layer is MoE;
+    fewer when some layers are dense, as in qwen3_next). Per-layer biases
+    (`layers.{i}.mlp.router_bias` [E]) take the row of layer i's rank among those layers; a
+    scanned model's one stacked bias (`layers.mlp.router_bias` [L, E]) takes all rows at once.
+    Returns others with the same structure. Runs outside any gradient.
     """
-    delta = rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)  # [L, E]
+    delta = rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)  # [M, E]
 
-    def step(path: tuple, leaf: Any) -> Any:
+    def layer_key(path: tuple) -> Any:
         keys = [getattr(p, "key", getattr(p, "idx", None)) for p in path]
         if "router_bias" not in keys:
+            return None
+        return keys[keys.index("layers") + 1]
+
+    def is_index(key: Any) -> bool:
+        return isinstance(key, int) or (isinstance(key, str) and key.isdigit())
+
+    with_bias = jax.tree_util.tree_flatten_with_path(others)[0]
+    ranks = {i: r for r, i in enumerate(sorted(
+        int(k) for k in (layer_key(path) for path, _ in with_bias) if is_index(k)
+    ))}  # fmt: skip
+
+    def step(path: tuple, leaf: Any) -> Any:
+        after = layer_key(path)
+        if after is None:
             return leaf
-        after = keys[keys.index("layers") + 1]
-        if isinstance(after, int) or (isinstance(after, str) and after.isdigit()):
-            return leaf + delta[int(after)].astype(leaf.dtype)
+        if is_index(after):
+            return leaf + delta[ranks[int(after)]].astype(leaf.dtype)
         if leaf.shape != delta.shape:
             raise ValueError(
                 f"stacked router bias {leaf.shape} does not match the loads {delta.shape}"

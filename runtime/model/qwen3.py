@@ -168,10 +168,13 @@ class MlpFactory(Protocol):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); no expert load (returns (y, None))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); no expert load (returns (y, None)). `width` defaults
+    to cfg.intermediate_size (another width: e.g. Qwen3-Next's shared expert)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
-        d, f = cfg.hidden_size, cfg.intermediate_size
+    def __init__(
+        self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool, width: int | None = None
+    ) -> None:
+        d, f = cfg.hidden_size, cfg.intermediate_size if width is None else width
         kw = {"rngs": rngs, "eager_sharding": eager_sharding}
         self.gate_proj = Dense(d, f, ("embed", "mlp"), cfg, **kw)
         self.up_proj = Dense(d, f, ("embed", "mlp"), cfg, **kw)

@@ -9,7 +9,7 @@ from flax import nnx
 
 from jobspec.run_config import ModelConfig
 from runtime.hf import names
-from runtime.model import gemma4, qwen3, qwen3_moe
+from runtime.model import gemma4, qwen3, qwen3_moe, qwen3_next
 
 
 def _no_check(cfg: ModelConfig) -> None:
@@ -35,6 +35,8 @@ class ModelSpec:
     check_config: Callable[[ModelConfig], None] = _no_check
     #: cfg -> HF tensor names a checkpoint may hold that the model does not use (import skips).
     hf_ignored: Callable[[ModelConfig], set[str]] = lambda cfg: set()
+    #: Name prefixes of further HF tensors import skips (e.g. a multi-token-prediction head).
+    hf_ignored_prefixes: tuple[str, ...] = ()
 
 
 # fmt: off
@@ -42,6 +44,7 @@ FAMILIES: dict[str, ModelSpec] = {
     "qwen3": ModelSpec("qwen3", qwen3.build, names.qwen3_names, qwen3.param_count, qwen3.flops_per_token, qwen3.mlp_activations),
     "qwen3_moe": ModelSpec("qwen3_moe", qwen3_moe.build, names.qwen3_moe_names, qwen3_moe.param_count, qwen3_moe.flops_per_token, qwen3_moe.mlp_activations, qwen3_moe.check_config),
     "gemma4_text": ModelSpec("gemma4_text", gemma4.build, names.gemma4_names, gemma4.param_count, gemma4.flops_per_token, gemma4.mlp_activations, gemma4.check_config, names.gemma4_ignored),
+    "qwen3_next": ModelSpec("qwen3_next", qwen3_next.build, names.qwen3_next_names, qwen3_next.param_count, qwen3_next.flops_per_token, qwen3_next.mlp_activations, qwen3_next.check_config, hf_ignored_prefixes=("mtp.",)),
 }
 # fmt: on
 

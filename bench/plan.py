@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # name: (run config, accelerator, extra CLI args, --set overrides)
 V5P_8B = "configs/plan/qwen3-8b-v5p-256.toml"
 V5P_1_7B = "configs/plan/qwen3-1.7b-v5p-256.toml"
+QNEXT = "configs/plan/qwen3-next-80b-a3b-v5p-256.toml"
 # FLOPs against 6N + 12LHQT: the xla attention (a custom-call kernel's FLOPs are invisible to the
 # HLO count; xla computes the full T x T product, exactly the 12LHQT convention).
 XLA = ["model.attention=xla"]
@@ -46,6 +47,10 @@ MATRIX: dict[str, tuple[str, str, list[str], list[str]]] = {
     "gemma4-31b-v5p128-seq4096": ("configs/plan/gemma4-31b-v5p-128.toml", "tpu-v5p-128", [], []),
     "gemma4-31b-h100x32-seq4096": (
         "configs/plan/gemma4-31b-h100x32.toml", "h100-80gb", ["--hosts", "4"], []),
+    "qwen3-next-80b-a3b-v5p256-fsdp128-seq4096": (QNEXT, "tpu-v5p-256", [], []),
+    "qwen3-next-80b-a3b-v5p256-fsdp32-tensor4-seq4096": (
+        QNEXT, "tpu-v5p-256", [],
+        ["mesh.fsdp=32", "mesh.tensor=4", "training.global_batch_size=32"]),
 }  # fmt: skip
 
 

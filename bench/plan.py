@@ -30,6 +30,8 @@ QNEXT = "configs/plan/qwen3-next-80b-a3b-v5p-256.toml"
 # FLOPs against 6N + 12LHQT: the xla attention (a custom-call kernel's FLOPs are invisible to the
 # HLO count; xla computes the full T x T product, exactly the 12LHQT convention).
 XLA = ["model.attention=xla"]
+TINY_MOE = ["model.family=qwen3_moe", "model.num_experts=8", "model.num_experts_per_tok=2",
+            "model.moe_intermediate_size=64", "mesh.fsdp=2"]  # fmt: skip
 MATRIX: dict[str, tuple[str, str, list[str], list[str]]] = {
     "qwen3-8b-v5p256-seq4096": (V5P_8B, "tpu-v5p-256", [], []),
     "qwen3-8b-4L-v5p256-seq4096": (V5P_8B, "tpu-v5p-256", [], ["model.num_layers=4"]),
@@ -51,6 +53,14 @@ MATRIX: dict[str, tuple[str, str, list[str], list[str]]] = {
     "qwen3-next-80b-a3b-v5p256-fsdp32-tensor4-seq4096": (
         QNEXT, "tpu-v5p-256", [],
         ["mesh.fsdp=32", "mesh.tensor=4", "training.global_batch_size=32"]),
+    # Expert parallelism (mesh.expert = 8), dropless sparse dispatch.
+    "qwen3-30b-a3b-v5p256-ep8-fsdp16-seq4096": (
+        "configs/plan/qwen3-30b-a3b-v5p-256.toml", "tpu-v5p-256", [], []),
+    "qwen3-30b-a3b-h100x32-ep8-fsdp4-seq4096": (
+        "configs/plan/qwen3-30b-a3b-h100x32.toml", "h100-80gb", ["--hosts", "4"], []),
+    "qwen3-30b-a3b-h100x32-ep8-fsdp4-cf1.25-seq4096": (
+        "configs/plan/qwen3-30b-a3b-h100x32.toml", "h100-80gb", ["--hosts", "4"],
+        ["model.moe_capacity_factor=1.25"]),
 }  # fmt: skip
 
 
@@ -91,6 +101,7 @@ def row(name: str, report: dict) -> dict:
         "remat": model["remat"],
         "scan_layers": model["scan_layers"],
         "attention": model["attention"],
+        "moe_dispatch": report.get("moe_dispatch"),
         "fits": mem["fits"],
         "peak_gib_per_chip": _gib(mem.get("peak_bytes")),
         "temp_gib_per_chip": _gib(mem.get("temp_bytes")),
@@ -105,6 +116,11 @@ def row(name: str, report: dict) -> dict:
         "uncounted_custom_calls": flops.get("uncounted_custom_calls"),
         # Per chip: every collective's result bytes, loop bodies times their trip count.
         "collective_bytes_per_chip": (coll.get("total") or {}).get("bytes"),
+        # The MoE exchanges (part of the total): the most rows each can send, every loop trip.
+        "ragged_all_to_all_bytes_per_chip": (coll.get("ragged_all_to_all") or {}).get("bytes"),
+        "all_to_all_bytes_per_chip": ((coll.get("by_kind") or {}).get("all-to-all") or {}).get(
+            "bytes"
+        ),
         "collectives_across_slices_bytes": sum(
             v["bytes"] for v in (coll.get("across_slices") or {}).values()
         ),
@@ -123,6 +139,7 @@ def main() -> None:
         matrix = {
             "tiny-v5p8": (tiny, "tpu-v5p-8", [], ["mesh.fsdp=4"]),
             "tiny-h100x8": (tiny, "h100-80gb", ["--hosts", "1"], ["mesh.fsdp=8"]),
+            "tiny-moe-ep2-v5p8": (tiny, "tpu-v5p-8", [], [*TINY_MOE, "mesh.expert=2"]),
         }
     for name, (cfg, acc, extra, sets) in matrix.items():
         if args.only in name:

@@ -228,7 +228,8 @@ def check_mesh_fits(
     if run.mesh.size != devices:
         m = run.mesh
         raise ConfigError(
-            f"run.mesh: slices x data x fsdp x tensor = {m.slices} x {m.data} x {m.fsdp} x {m.tensor} = "
+            f"run.mesh: slices x data x expert x fsdp x tensor = {m.slices} x {m.data} x "
+            f"{m.expert} x {m.fsdp} x {m.tensor} = "
             f"{m.size}, but this job has {procs} host(s) x {per} device(s) = {devices} on the "
             f"{backend} backend; make the mesh product {devices}"
         )

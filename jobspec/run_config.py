@@ -405,6 +405,23 @@ class ModelConfig(Section):
             "time does not grow with depth; false keeps one module per layer."
         ),
     )
+    moe_dispatch: Literal["auto", "dense", "sparse"] = Field(
+        "auto",
+        description=(
+            "MoE expert dispatch: dense (every expert on every token; exact, small models only), "
+            "sparse (each token visits its top-k experts: sorted, exchanged over mesh.expert, "
+            "grouped matmuls), auto (sparse on TPU/GPU or with mesh.expert > 1 or a capacity "
+            "factor, else dense)."
+        ),
+    )
+    moe_capacity_factor: PositiveFloat | None = Field(
+        None,
+        description=(
+            "Sparse MoE dispatch: each expert takes at most ceil(factor x tokens x top-k / "
+            "experts) of a device's tokens, the rest are dropped (counted in moe_dropped_tokens); "
+            "unset = dropless."
+        ),
+    )
     attention: Literal["auto", "xla", "cudnn", "splash"] = Field(
         "auto",
         description=(
@@ -412,6 +429,16 @@ class ModelConfig(Section):
             "splash (Pallas splash attention on TPU), auto (splash on TPU, cudnn on GPU, else xla)."
         ),
     )
+
+    @property
+    def routed_experts(self) -> int | None:
+        """Routed experts per MoE layer, or None for a model without MoE layers."""
+        if self.family == "gemma4_text":
+            g = self.gemma4
+            return g.num_experts if g is not None and g.enable_moe_block else None
+        if self.family in ("qwen3_moe", "qwen3_next"):
+            return self.num_experts
+        return None
 
     @property
     def resolved_head_dim(self) -> int:
@@ -467,6 +494,14 @@ class ModelConfig(Section):
                 raise ValueError(problem)
         elif self.qwen3_next is not None:
             raise ValueError("model.qwen3_next needs model.family = 'qwen3_next'")
+        if self.moe_capacity_factor is not None:
+            if self.routed_experts is None:
+                raise ValueError("model.moe_capacity_factor needs a model with MoE layers")
+            if self.moe_dispatch == "dense":
+                raise ValueError(
+                    "model.moe_capacity_factor drops tokens of the sparse dispatch; the dense "
+                    "dispatch drops none: set model.moe_dispatch = 'sparse' (or 'auto')"
+                )
         return self
 
 
@@ -596,6 +631,13 @@ class MeshConfig(Section):
     """Mesh axis sizes; their product must equal the global device count."""
 
     data: PositiveInt = Field(1, description="Pure data-parallel replicas.")
+    expert: PositiveInt = Field(
+        1,
+        description=(
+            "Devices MoE experts are sharded over (expert parallelism; divides the routed "
+            "experts); outside the MoE blocks they split the batch like data."
+        ),
+    )
     fsdp: PositiveInt = Field(
         1, description="Devices parameters and optimizer state are sharded over."
     )
@@ -606,13 +648,18 @@ class MeshConfig(Section):
         1,
         description=(
             "Data-parallel groups across the slow (DCN) network: TPU slices, or groups of whole "
-            "hosts elsewhere; data/fsdp/tensor then describe one slice."
+            "hosts elsewhere; data/expert/fsdp/tensor then describe one slice."
         ),
     )
 
     @property
     def size(self) -> int:
-        return self.slices * self.data * self.fsdp * self.tensor
+        return self.slices * self.data * self.expert * self.fsdp * self.tensor
+
+    @property
+    def batch_shards(self) -> int:
+        """Devices the batch is split over (slices x data x expert x fsdp)."""
+        return self.slices * self.data * self.expert * self.fsdp
 
 
 class EvalConfig(Section):
@@ -689,6 +736,30 @@ class RunConfig(Section):
                 f"training.seq_len ({t.seq_len}) is longer than model.max_position_embeddings "
                 f"({m.max_position_embeddings}); shorten seq_len or raise max_position_embeddings"
             )
+        shards = self.mesh.batch_shards
+        if t.global_batch_size % shards:
+            raise ValueError(
+                f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                f"mesh.slices x data x expert x fsdp = {shards}, the devices each batch is split "
+                "over"
+            )
+        if self.mesh.expert > 1:
+            experts = m.routed_experts
+            if experts is None:
+                raise ValueError(
+                    f"mesh.expert = {self.mesh.expert} shards MoE experts, but this model has no "
+                    "MoE layers; fold those devices into mesh.data or mesh.fsdp"
+                )
+            if experts % self.mesh.expert:
+                raise ValueError(
+                    f"mesh.expert ({self.mesh.expert}) must divide the {experts} routed experts "
+                    "of each MoE layer; pick a divisor"
+                )
+            if m.moe_dispatch == "dense":
+                raise ValueError(
+                    "model.moe_dispatch = 'dense' runs every expert on every token and cannot "
+                    f"use mesh.expert = {self.mesh.expert}; set it to 'sparse' or 'auto'"
+                )
         names = [e.name for e in self.evals]
         if len(names) != len(set(names)):
             raise ValueError(f"evals: names must be unique, got {names}")

@@ -74,9 +74,12 @@ def _reference_moe(block: SparseMoE, x: np.ndarray, norm_topk_prob: bool) -> np.
     return out.reshape(x.shape)
 
 
+@pytest.mark.parametrize("dispatch", ["dense", "sparse"])
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_block_matches_numpy_reference(norm_topk_prob: bool) -> None:
-    cfg = moe_cfg(norm_topk_prob=norm_topk_prob, num_experts=6, num_experts_per_tok=3)
+def test_block_matches_numpy_reference(norm_topk_prob: bool, dispatch: str) -> None:
+    cfg = moe_cfg(
+        norm_topk_prob=norm_topk_prob, num_experts=6, num_experts_per_tok=3, moe_dispatch=dispatch
+    )
     block = SparseMoE(
         cfg,
         rngs=nnx.Rngs(1),
@@ -86,7 +89,9 @@ def test_block_matches_numpy_reference(norm_topk_prob: bool) -> None:
     block.gate.kernel[...] = jax.random.normal(jax.random.PRNGKey(2), block.gate.kernel.shape)
     block.experts.down_proj[...] = block.experts.down_proj[...] * 20.0
     x = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (2, 5, cfg.hidden_size)))
-    y, load = jax.jit(lambda b, x: b(x))(block, jnp.asarray(x))
+    y, stats = jax.jit(lambda b, x: b(x))(block, jnp.asarray(x))
+    load = stats.load
+    assert int(stats.dropped) == 0
     ref = _reference_moe(block, x, norm_topk_prob)
     assert np.abs(ref).max() > 1e-2
     np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=1e-5)
@@ -103,8 +108,8 @@ def test_bias_steers_choice_but_not_weights() -> None:
     )
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 8, cfg.hidden_size))
     block.router_bias[...] = jnp.array([0.0, 0.0, 100.0, 0.0])
-    y, load = block(x)
-    np.testing.assert_allclose(np.asarray(load), [0, 0, 1, 0])
+    y, stats = block(x)
+    np.testing.assert_allclose(np.asarray(stats.load), [0, 0, 1, 0])
     # Output = softmax prob of expert 2 (unbiased) times expert 2's SwiGLU.
     logits = x @ block.gate.kernel[...]
     p2 = jax.nn.softmax(logits, axis=-1)[..., 2:3]
@@ -123,7 +128,7 @@ def test_param_layout_names_and_bias_is_not_a_param() -> None:
     assert mlp.gate.kernel.out_sharding == ("embed", "expert")
     assert mlp.experts.gate_proj.out_sharding == ("expert", "embed", "mlp")
     assert mlp.experts.down_proj.out_sharding == ("expert", "mlp", "embed")
-    assert "expert" in LOGICAL_AXES and LOGICAL_RULES["expert"] is None
+    assert "expert" in LOGICAL_AXES and LOGICAL_RULES["expert"] == "expert"
     assert isinstance(mlp.router_bias, RouterBias) and not isinstance(mlp.router_bias, nnx.Param)
     _, params, others = nnx.split(model, nnx.Param, ...)
     flat_params = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(params)}

@@ -89,6 +89,26 @@ def test_plan_deviceless_h100_node_fsdp_8(cfg_path: Path) -> None:
     _check_report(rep, 8)
 
 
+def test_plan_of_a_tiny_moe_with_expert_parallelism_holds_the_ragged_all_to_all(
+    tmp_path: Path,
+) -> None:
+    moe = {"family": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 64, "compute_dtype": "bfloat16"}  # fmt: skip
+    cfg = tmp_path / "moe.toml"
+    cfg.write_text(tomli_w.dumps(tiny(**moe)))
+    rep = _plan_json(
+        cfg, "--accelerator", "tpu-v5p-8", "--set", "mesh.expert=2", "--set", "mesh.fsdp=2"
+    )
+    assert rep["compiled"] is True and rep["mesh"]["expert"] == 2
+    assert rep["moe_dispatch"] == {"kind": "dropless", "exchange": "ragged_all_to_all",
+                                   "matmul": "megablox", "expert_shards": 2,
+                                   "capacity_factor": None}  # fmt: skip
+    ragged = rep["collectives"]["ragged_all_to_all"]
+    # 2 scanned layers, no remat: out and back in the forward, and again in the backward.
+    assert ragged["count"] >= 8 and ragged["bytes"] > 0
+    assert rep["collectives"]["by_kind"]["all-to-all"]["count"] >= ragged["count"]
+
+
 @pytest.mark.parametrize(
     ("args", "names"),
     [

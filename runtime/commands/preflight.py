@@ -37,8 +37,8 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
     params = n * pbytes / shards
     grads = n * 4 / shards
     adam = 2 * n * 4 / shards
-    # The batch is split over slice x data x fsdp (runtime/model/sharding.py, logical axis "batch").
-    rows = t.global_batch_size / (cfg.mesh.slices * cfg.mesh.data * cfg.mesh.fsdp)
+    # The batch is split over slice x data x expert x fsdp (runtime/model/sharding.py, "batch").
+    rows = t.global_batch_size / cfg.mesh.batch_shards
     # MLP values per token and layer, per family (an MoE's dense dispatch keeps every expert's).
     mlp = spec_for(m).mlp_activations(m)
     per_token_layer = {
@@ -97,7 +97,8 @@ def preflight(cfg: RunConfig) -> dict[str, Any]:
     check(
         "mesh",
         lambda: (
-            f"slices={cfg.mesh.slices} data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} "
+            f"slices={cfg.mesh.slices} data={cfg.mesh.data} expert={cfg.mesh.expert} "
+            f"fsdp={cfg.mesh.fsdp} "
             f"tensor={cfg.mesh.tensor} fits "
             f"{len(build_mesh(cfg.mesh).devices.flat)} devices",
             None,

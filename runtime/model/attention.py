@@ -101,25 +101,9 @@ def xla_attention(
 # --- platform ---------------------------------------------------------------------------------
 
 
-def _device_platform(device) -> str:
-    """'tpu', 'cuda', 'rocm' or 'cpu' for a (possibly compile-only) device."""
-    platform = device.platform
-    if platform == "gpu":
-        version = str(getattr(device.client, "platform_version", "")).lower()
-        return "rocm" if "rocm" in version else "cuda"
-    return platform
-
-
-def target_platform() -> str:
-    """The platform the trace in progress compiles for: the current mesh's devices, else JAX's
-    default backend."""
-    mesh = sharding.current_mesh()
-    if mesh is not None:
-        return _device_platform(mesh.devices.flat[0])
-    backend = jax.default_backend()
-    if backend == "gpu":
-        return _device_platform(jax.devices()[0])
-    return backend
+# `target_platform` lives with the mesh (runtime/model/sharding.py); the MoE dispatch picks by
+# it too.
+target_platform = sharding.target_platform
 
 
 def resolve(impl: str, platform: str | None = None) -> str:

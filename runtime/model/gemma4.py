@@ -53,7 +53,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jobspec.run_config import Gemma4Config, ModelConfig, gemma4_kv_sources
-from runtime.model import attention
+from runtime.model import attention, moe_dispatch
 from runtime.model.layers import (
     ACT_EMBED,
     ACT_EXPERT,
@@ -71,7 +71,7 @@ from runtime.model.layers import (
     rope_tables,
     softcap,
 )
-from runtime.model.moe import _top_k_onehot
+from runtime.model.moe import MoEStats, _top_k_onehot, assignment_load, run_experts, stack_stats
 from runtime.model.sharding import constrain
 
 #: The per-layer inputs [batch, length, layer, per-layer width].
@@ -307,7 +307,8 @@ class Router(nnx.Module):
         self.root = d**-0.5
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x [B, T, D] -> (combine [B, T, E] fp32, zero off the top-k; chosen one-hot [B, T, E])."""
+        """x [B, T, D] -> (weights [B, T, k] fp32 (per-expert scale applied), one-hot choices
+        [B, T, k, E])."""
         h = self.norm(x) * self.scale[...].astype(x.dtype) * jnp.asarray(self.root, x.dtype)
         scores = constrain(self.proj(h), ACT_EXPERT)
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
@@ -317,8 +318,7 @@ class Router(nnx.Module):
         top = top * jnp.einsum(
             "e,...ke->...k", self.per_expert_scale[...].astype(jnp.float32), onehot
         )
-        combine = constrain(jnp.einsum("...k,...ke->...e", top, onehot), ACT_EXPERT)
-        return combine, constrain(jnp.sum(onehot, axis=-2), ACT_EXPERT)
+        return top, onehot
 
 
 class Experts(nnx.Module):
@@ -341,6 +341,14 @@ class Experts(nnx.Module):
         up = constrain(jnp.einsum("btd,efd->btef", x, w[:, f:]), ACT_EXPERT_MLP)
         h = constrain(_gelu(gate) * up * combine[..., None].astype(cd), ACT_EXPERT_MLP)
         return constrain(jnp.einsum("btef,edf->btd", h, self.down_proj[...].astype(cd)), ACT_EMBED)
+
+    def kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(gate, up [E, D, F], down [E, F, D]) in the compute dtype, for the sparse dispatch
+        (HF's fused [E, 2F, D] gate_up and [E, D, F] down, transposed)."""
+        cd, f = self.compute_dtype, self.width
+        w = self.gate_up_proj[...].astype(cd)
+        down = self.down_proj[...].astype(cd)
+        return w[:, :f].transpose(0, 2, 1), w[:, f:].transpose(0, 2, 1), down.transpose(0, 2, 1)
 
 
 class Block(nnx.Module):
@@ -376,6 +384,8 @@ class Block(nnx.Module):
             self.post_feedforward_layernorm_1 = norm()
             self.post_feedforward_layernorm_2 = norm()
             self.pre_feedforward_layernorm_2 = norm()
+            self.moe_dispatch = cfg.moe_dispatch
+            self.moe_capacity_factor = cfg.moe_capacity_factor
 
     def __call__(
         self,
@@ -397,10 +407,19 @@ class Block(nnx.Module):
         h = self.mlp(self.pre_feedforward_layernorm(x))
         load = None
         if self.moe:
-            combine, chosen = self.router(x)
-            moe = self.experts(self.pre_feedforward_layernorm_2(x), combine)
+            top, onehot = self.router(x)
+            dispatch = moe_dispatch.current(self.moe_dispatch, self.moe_capacity_factor)
+            moe, dropped = run_experts(
+                self.pre_feedforward_layernorm_2(x),
+                top,
+                onehot,
+                dispatch,
+                self.experts,
+                self.experts.kernels,
+                _gelu,
+            )
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
-            load = jnp.mean(chosen.reshape(-1, chosen.shape[-1]), axis=0) / self.router.top_k
+            load = MoEStats(assignment_load(onehot), dropped)
         x = constrain(x + self.post_feedforward_layernorm(h), ACT_EMBED)
         if self.per_layer:
             assert per_layer_input is not None
@@ -506,13 +525,14 @@ class Decoder(nnx.Module):
         return self.forward_with_loads(inputs, positions, segment_ids)[0]
 
     def forward_with_loads(self, inputs, positions, segment_ids=None):
-        h, loads = self.forward_hidden(inputs, positions, segment_ids)
-        return self.logits(h), loads
+        h, stats = self.forward_hidden(inputs, positions, segment_ids)
+        return self.logits(h), None if stats is None else stats.load
 
     def forward_hidden(
         self, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """Final-normed hidden states [B, T, D] and the expert loads [L, E] (None without MoE)."""
+    ) -> tuple[jax.Array, MoEStats | None]:
+        """Final-normed hidden states [B, T, D] and the MoE stats stacked over layers (load
+        [L, E], dropped [L]; None without MoE)."""
         x, pli = self._embed(inputs)
         ropes = self._ropes(positions)
         policy = REMAT_POLICIES.get(self.cfg.remat)
@@ -529,8 +549,7 @@ class Decoder(nnx.Module):
             if src == i and i in self.sources[i + 1 :]:
                 published[i] = kv
             loads.append(load)
-        stacked = jnp.stack(loads) if loads[0] is not None else None
-        return constrain(self.norm(x), ACT_EMBED), stacked
+        return constrain(self.norm(x), ACT_EMBED), stack_stats(loads)
 
     # ---- decoding -----------------------------------------------------------------------
 

@@ -8,10 +8,15 @@ Math, per token x [hidden]:
     w       = probs[chosen], renormalised to sum 1 when norm_topk_prob
     y       = sum_k w_k * down_k(silu(gate_k(x)) * up_k(x))
 
-With a zero router bias the choice is top-k of probs, exactly HF. Dispatch is dense: every expert
-runs on every token (one einsum over an expert axis) and a [tokens, experts] combine matrix, zero
-off the top-k, weights the results. Exact and jit-friendly; compute grows with num_experts, so it
-suits small models only (a sparse dispatch can replace `SparseMoE.__call__` later).
+With a zero router bias the choice is top-k of probs, exactly HF. Two dispatches compute y
+(`model.moe_dispatch`, resolved per trace by `runtime/model/moe_dispatch.py`):
+
+- dense: every expert runs on every token (one einsum over an expert axis) and a
+  [tokens, experts] combine matrix, zero off the top-k, weights the results. Exact and simple;
+  compute grows with num_experts, so it suits small models.
+- sparse: each token visits only its k experts (sorted, exchanged over the `expert` mesh axis,
+  grouped matmuls, returned and combined); dropless, or with a capacity factor that drops and
+  counts the overflow. What large MoE models need.
 
 Parameter paths inside `layers[i]` of `runtime.model.qwen3.Decoder`:
 
@@ -36,13 +41,15 @@ expert is chosen more often; the combine weights never see the bias.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jobspec.run_config import ModelConfig
+from runtime.model import moe_dispatch
 from runtime.model.layers import (
     ACT_EMBED,
     ACT_EXPERT,
@@ -107,11 +114,20 @@ class Experts(nnx.Module):
         h = constrain(h * combine[..., None].astype(cd), ACT_EXPERT_MLP)
         return constrain(jnp.einsum("btef,efd->btd", h, self.down_proj[...].astype(cd)), ACT_EMBED)
 
+    def kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(gate, up [E, D, F], down [E, F, D]) in the compute dtype, for the sparse dispatch."""
+        cd = self.compute_dtype
+        return (
+            self.gate_proj[...].astype(cd),
+            self.up_proj[...].astype(cd),
+            self.down_proj[...].astype(cd),
+        )
+
 
 def route(
     logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool
 ) -> tuple[jax.Array, jax.Array]:
-    """fp32 logits [..., E], bias [E] -> (combine [..., E] fp32, one-hot selection [..., E]).
+    """fp32 logits [..., E], bias [E] -> (weights [..., k] fp32, one-hot choices [..., k, E]).
 
     Selection is top-k of logits + bias (top-k of softmax(logits) when the bias is 0, since softmax
     is monotone); the weights are the unbiased softmax probabilities of the chosen experts.
@@ -121,8 +137,52 @@ def route(
     top = jnp.einsum("...e,...ke->...k", probs, onehot)
     if norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
-    combine = jnp.einsum("...k,...ke->...e", top, onehot)
-    return combine, jnp.sum(onehot, axis=-2)
+    return top, onehot
+
+
+def assignment_load(onehot: jax.Array) -> jax.Array:
+    """One-hot choices [..., k, E] -> the fraction of assignments each expert got [E] (sums to 1;
+    every token counts, padding included)."""
+    e = onehot.shape[-1]
+    counts = jnp.sum(onehot.reshape(-1, e), axis=0)
+    return counts / (onehot.size // e)
+
+
+class MoEStats(NamedTuple):
+    """What an MoE block reports besides its output (stacked over layers by the decoders)."""
+
+    load: jax.Array  # [E]: the fraction of this call's assignments each expert got
+    dropped: jax.Array  # []: assignments the capacity factor dropped (0 when dropless)
+
+
+def stack_stats(stats: list[MoEStats | None]) -> MoEStats | None:
+    """Per-layer stats of the MoE layers (None entries: dense layers, skipped) -> [M, ...]."""
+    kept = [s for s in stats if s is not None]
+    return jax.tree.map(lambda *a: jnp.stack(a), *kept) if kept else None
+
+
+def run_experts(
+    x: jax.Array,
+    top: jax.Array,
+    onehot: jax.Array,
+    dispatch: moe_dispatch.Dispatch,
+    dense: Callable[[jax.Array, jax.Array], jax.Array],
+    kernels: Callable[[], tuple[jax.Array, jax.Array, jax.Array]],
+    activation: Callable[[jax.Array], jax.Array],
+) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, D], top [B, T, k], onehot [B, T, k, E] -> (y [B, T, D], dropped assignments).
+
+    Dense: `dense(x, combine [B, T, E])`. Sparse: `kernels()` gives (gate, up [E, D, F],
+    down [E, F, D]) for runtime/model/moe_dispatch.py. The router weights are cast to x's dtype
+    before weighting the experts, as HF does."""
+    if not dispatch.sparse:
+        combine = jnp.einsum("...k,...ke->...e", top, onehot)
+        return dense(x, constrain(combine.astype(x.dtype), ACT_EXPERT)), jnp.zeros((), jnp.int32)
+    index = jnp.argmax(onehot, axis=-1).astype(jnp.int32)
+    gate, up, down = kernels()
+    return moe_dispatch.sparse_experts(
+        x, index, top.astype(x.dtype), gate, up, down, activation=activation, dispatch=dispatch
+    )
 
 
 def _top_k_onehot(scores: jax.Array, k: int) -> jax.Array:
@@ -148,22 +208,20 @@ class SparseMoE(nnx.Module):
         self.gate = Router(cfg, rngs=rngs, eager_sharding=eager_sharding)
         self.experts = Experts(cfg, rngs=rngs, eager_sharding=eager_sharding)
         self.router_bias = RouterBias(jnp.zeros((cfg.num_experts,), jnp.float32))
+        self.dispatch = cfg.moe_dispatch
+        self.capacity_factor = cfg.moe_capacity_factor
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x [B, T, D] -> (y [B, T, D], load [E]).
-
-        load: the fraction of this call's token->expert assignments that went to each expert
-        (sums to 1; every token counts, padding included).
-        """
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """x [B, T, D] -> (y [B, T, D], MoEStats: expert load [E] and dropped assignments)."""
         logits = constrain(self.gate(x), ACT_EXPERT)
-        combine, chosen = route(
+        top, onehot = route(
             logits, self.router_bias[...], self.num_experts_per_tok, self.norm_topk_prob
         )
-        # HF casts the routing weights to the hidden dtype before weighting the experts.
-        combine = constrain(combine.astype(x.dtype), ACT_EXPERT)
-        load = jnp.sum(chosen.reshape(-1, chosen.shape[-1]), axis=0)
-        load = load / (chosen.shape[0] * chosen.shape[1] * self.num_experts_per_tok)
-        return self.experts(x, combine), load
+        dispatch = moe_dispatch.current(self.dispatch, self.capacity_factor)
+        y, dropped = run_experts(
+            x, top, onehot, dispatch, self.experts, self.experts.kernels, jax.nn.silu
+        )
+        return y, MoEStats(assignment_load(onehot), dropped)
 
 
 def load_max_over_mean(loads: jax.Array) -> jax.Array:

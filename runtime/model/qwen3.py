@@ -162,7 +162,7 @@ class Attention(nnx.Module):
 
 
 class MlpFactory(Protocol):
-    """Builds a layer's MLP; the module maps x [B, T, D] to (y [B, T, D], expert load [E] | None)."""
+    """Builds a layer's MLP; the module maps x [B, T, D] to (y [B, T, D], MoE stats | None)."""
 
     def __call__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> nnx.Module: ...
 
@@ -217,7 +217,7 @@ class Block(nnx.Module):
         index: jax.Array | None = None,
         mask: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, jax.Array | None]:
-        """-> (x, new_kv, load): load [E] is the MoE expert load, None for a dense MLP.
+        """-> (x, new_kv, stats): the MoE block's `MoEStats`, None for a dense MLP.
 
         The block's input, residual and output are pinned to [batch, length, embed]."""
         x = constrain(x, ACT_EMBED)
@@ -245,7 +245,7 @@ def _scan_blocks(
     segment_ids: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """The stacked blocks as one `lax.scan` over their split state (layer i's slice per step):
-    -> (x after the last block, loads [L, E] or None). `policy` (None: no remat) wraps the body,
+    -> (x after the last block, the MoE stats stacked [L, ...] or None). `policy` (None: no remat) wraps the body,
     so the backward pass keeps only what it names per layer (at least each block's input)."""
     graphdef, state = nnx.split(stacked)
 
@@ -335,18 +335,19 @@ class Decoder(nnx.Module):
     ) -> tuple[jax.Array, jax.Array | None]:
         """Like `__call__`, plus the expert loads: fp32 [num_layers, num_experts], each row the
         fraction of that layer's token->expert assignments per expert; None for a dense MLP."""
-        h, loads = self.forward_hidden(inputs, positions, segment_ids)
-        return self.logits(h), loads
+        h, stats = self.forward_hidden(inputs, positions, segment_ids)
+        return self.logits(h), None if stats is None else stats.load
 
     def forward_hidden(
         self,
         inputs: jax.Array,
         positions: jax.Array,
         segment_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, jax.Array | None]:
+    ) -> tuple[jax.Array, Any]:
         """The final-normed hidden states [B, T, D] (compute dtype, pinned to batch sharding)
-        and the expert loads; the loss applies `head_kernel` to them chunk by chunk instead of
-        materialising all logits."""
+        and the MoE layers' stats stacked over layers (`runtime.model.moe.MoEStats`: load [L, E],
+        dropped [L]; None for a dense MLP); the loss applies `head_kernel` to the states chunk by
+        chunk instead of materialising all logits."""
         cos, sin = self._rope(positions)
         policy = REMAT_POLICIES.get(self.cfg.remat)
         x = constrain(self.embed_tokens(inputs), ACT_EMBED)
@@ -360,7 +361,11 @@ class Decoder(nnx.Module):
             for block in self.layers:
                 x, load = block_fn(block, x, cos, sin, segment_ids)
                 loads.append(load)
-            stacked = jnp.stack(loads) if loads and loads[0] is not None else None
+            stacked = (
+                jax.tree.map(lambda *a: jnp.stack(a), *loads)
+                if loads and loads[0] is not None
+                else None
+            )
         return constrain(self.norm(x), ACT_EMBED), stacked
 
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

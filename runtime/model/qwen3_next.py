@@ -66,7 +66,7 @@ from runtime.model.layers import (
     remat_call,
     rope_tables,
 )
-from runtime.model.moe import SparseMoE
+from runtime.model.moe import MoEStats, SparseMoE, stack_stats
 from runtime.model.qwen3 import MLP
 from runtime.model.sharding import constrain
 
@@ -328,7 +328,7 @@ class SharedExpertMoE(SparseMoE):
         self.shared_expert = MLP(cfg, width=_q(cfg).shared_expert_intermediate_size, **kw)
         self.shared_expert_gate = Dense(cfg.hidden_size, 1, ("embed", None), cfg, **kw)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         routed, load = super().__call__(x)
         shared, _ = self.shared_expert(x)
         y = routed + jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
@@ -432,14 +432,15 @@ class Decoder(nnx.Module):
         return self.forward_with_loads(inputs, positions, segment_ids)[0]
 
     def forward_with_loads(self, inputs, positions, segment_ids=None):
-        h, loads = self.forward_hidden(inputs, positions, segment_ids)
-        return self.logits(h), loads
+        h, stats = self.forward_hidden(inputs, positions, segment_ids)
+        return self.logits(h), None if stats is None else stats.load
 
     def forward_hidden(
         self, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """Final-normed hidden states [B, T, D] and the expert loads [M, E] of the M MoE layers
-        in layer order (None without any), the rows `moe.update_router_bias` expects."""
+    ) -> tuple[jax.Array, MoEStats | None]:
+        """Final-normed hidden states [B, T, D] and the stats of the M MoE layers stacked in
+        layer order (load [M, E], the rows `moe.update_router_bias` expects; dropped [M]), None
+        without any."""
         x = constrain(self.embed_tokens(inputs), ACT_EMBED)
         cos, sin = self._rope(positions)
         policy = REMAT_POLICIES.get(self.cfg.remat)
@@ -449,8 +450,7 @@ class Decoder(nnx.Module):
             x, load = fn(block, x, cos, sin, segment_ids)
             if load is not None:
                 loads.append(load)
-        stacked = jnp.stack(loads) if loads else None
-        return constrain(self.norm(x), ACT_EMBED), stacked
+        return constrain(self.norm(x), ACT_EMBED), stack_stats(loads)
 
     # ---- decoding -----------------------------------------------------------------------
 

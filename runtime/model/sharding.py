@@ -4,8 +4,8 @@ Model code names only logical axes (parameters: vocab, embed, heads, kv_heads, m
 expert, and `layers`, the leading axis of parameters stacked for `model.scan_layers`;
 activations also batch and length); this module alone knows mesh axes. FSDP shards
 parameters (and so optimizer state) over `fsdp` along `embed`; TP shards heads, MLP hidden and
-vocab over `tensor`; the batch is split over `slice` x `data` x `fsdp`; MoE experts are
-replicated for now.
+vocab over `tensor`; MoE experts shard over `expert`; the batch is split over `slice` x `data` x
+`expert` x `fsdp` (outside the MoE blocks the expert axis is one more data-parallel axis).
 
 One table serves parameters and activations: a mesh axis is used once per array, by the first
 dimension that claims it, so an activation [batch, length, embed] puts `fsdp` on the batch
@@ -31,10 +31,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jobspec.errors import ConfigError
 from jobspec.run_config import MeshConfig
 
-MESH_AXES = ("slice", "data", "fsdp", "tensor")
+MESH_AXES = ("slice", "data", "expert", "fsdp", "tensor")
 
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("slice", "data", "fsdp"),
+    "batch": ("slice", "data", "expert", "fsdp"),
     "length": None,
     "vocab": "tensor",
     "embed": "fsdp",
@@ -42,8 +42,8 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "norm": None,
-    # MoE expert axis: replicated for now; an expert-parallel mesh axis can take it later.
-    "expert": None,
+    # MoE experts: sharded over the expert-parallel axis (runtime/model/moe_dispatch.py).
+    "expert": "expert",
     # The stacked-layer axis of scanned parameters: every chip holds every layer's shard (the
     # scan slices one layer per step), so it is never split.
     "layers": None,
@@ -54,11 +54,11 @@ def build_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     if cfg.size != len(devices):
         raise ConfigError(
-            f"mesh.slices x mesh.data x mesh.fsdp x mesh.tensor = {cfg.slices} x {cfg.data} x "
-            f"{cfg.fsdp} x {cfg.tensor} = {cfg.size}, but this job has {len(devices)} device(s); "
-            "make the product equal the device count"
+            f"mesh.slices x mesh.data x mesh.expert x mesh.fsdp x mesh.tensor = {cfg.slices} x "
+            f"{cfg.data} x {cfg.expert} x {cfg.fsdp} x {cfg.tensor} = {cfg.size}, but this job has "
+            f"{len(devices)} device(s); make the product equal the device count"
         )
-    per_slice = (cfg.data, cfg.fsdp, cfg.tensor)
+    per_slice = (cfg.data, cfg.expert, cfg.fsdp, cfg.tensor)
     # Auto axes: shardings are constraints for the compiler (GSPMD), not part of array types,
     # so model code stays free of mesh axes.
     auto = (AxisType.Auto,) * len(MESH_AXES)
@@ -82,12 +82,12 @@ def offline_mesh(cfg: MeshConfig) -> Mesh:
     return build_mesh(cfg) if cfg.size == len(devices) else build_mesh(MeshConfig(), devices[:1])
 
 
-def _slice_grid(cfg: MeshConfig, devices: list, per_slice: tuple[int, int, int]) -> np.ndarray:
+def _slice_grid(cfg: MeshConfig, devices: list, per_slice: tuple[int, ...]) -> np.ndarray:
     """The slice axis spans the slow network: JAX's hybrid mesh over TPU slices where devices
     know their slice, else whole hosts grouped in process order."""
     if all(hasattr(d, "slice_index") for d in devices):
         return mesh_utils.create_hybrid_device_mesh(
-            per_slice, (cfg.slices, 1, 1), devices=devices
+            per_slice, (cfg.slices, 1, 1, 1), devices=devices
         ).reshape((cfg.slices, *per_slice))
     procs = sorted({d.process_index for d in devices})
     if len(procs) % cfg.slices:
@@ -163,6 +163,27 @@ def current_mesh() -> Mesh | None:
     return _ACTIVATION_MESH.get()
 
 
+def _device_platform(device) -> str:
+    """'tpu', 'cuda', 'rocm' or 'cpu' for a (possibly compile-only) device."""
+    platform = device.platform
+    if platform == "gpu":
+        version = str(getattr(device.client, "platform_version", "")).lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return platform
+
+
+def target_platform() -> str:
+    """The platform the trace in progress compiles for: the current mesh's devices, else JAX's
+    default backend."""
+    mesh = current_mesh()
+    if mesh is not None:
+        return _device_platform(mesh.devices.flat[0])
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return _device_platform(jax.devices()[0])
+    return backend
+
+
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """x with a sharding constraint from its logical axis names (one per dimension)."""
     mesh = _ACTIVATION_MESH.get()
@@ -174,7 +195,7 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 
 
 def batch_sharding(mesh: Mesh, ndim: int, leading: int = 0) -> NamedSharding:
-    """Rows split over the batch axes (slice x data x fsdp, LOGICAL_RULES["batch"]); `leading`
+    """Rows split over the batch axes (slice x data x expert x fsdp, LOGICAL_RULES["batch"]); `leading`
     unsharded dims (e.g. the microbatch axis) before them."""
     spec = [None] * leading + [LOGICAL_RULES["batch"]] + [None] * (ndim - leading - 1)
     return NamedSharding(mesh, PartitionSpec(*spec))

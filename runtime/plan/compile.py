@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from jobspec.run_config import RunConfig
+from runtime.model import moe_dispatch
 from runtime.model.flops import flops_per_token, parameter_counts
 from runtime.model.sharding import build_mesh
 from runtime.plan import hlo
@@ -170,6 +171,8 @@ def _model_summary(cfg: RunConfig) -> dict[str, Any]:
         "remat": m.remat,
         "scan_layers": m.scan_layers,
         "attention": m.attention,
+        "moe_dispatch": m.moe_dispatch,
+        "moe_capacity_factor": m.moe_capacity_factor,
     }
 
 
@@ -187,11 +190,17 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
             "mesh": {
                 "slices": cfg.mesh.slices,
                 "data": cfg.mesh.data,
+                "expert": cfg.mesh.expert,
                 "fsdp": cfg.mesh.fsdp,
                 "tensor": cfg.mesh.tensor,
             },  # fmt: skip
             "device_kind": devices[0].device_kind,
             "model": _model_summary(cfg),
+            "moe_dispatch": None
+            if cfg.model.routed_experts is None
+            else moe_dispatch.for_mesh(
+                cfg.model.moe_dispatch, cfg.model.moe_capacity_factor, mesh
+            ).as_dict(),
             "training": {
                 "seq_len": cfg.training.seq_len,
                 "global_batch_size": cfg.training.global_batch_size,

@@ -51,7 +51,9 @@ _KIND_OF = {
     "all-reduce": "all-reduce",
     "all-reduce-start": "all-reduce",
     "all-to-all": "all-to-all",
+    "all-to-all-start": "all-to-all",
     "ragged-all-to-all": "all-to-all",
+    "ragged-all-to-all-start": "all-to-all",
     "collective-permute": "collective-permute",
     "collective-permute-start": "collective-permute",
     "collective-broadcast": "collective-permute",
@@ -349,7 +351,13 @@ def _custom_target(ins: Instr) -> str:
 
 
 def _collective_bytes(comp: Computation, ins: Instr, kind: str) -> int:
-    """Per-device payload: all-gather its gathered result, the others their operands."""
+    """Per-device payload: all-gather its gathered result, a ragged all-to-all the most rows it
+    can send (its input or its output buffer, the smaller: the rest is padding), the others
+    their operands."""
+    if ins.opcode.startswith("ragged-all-to-all"):
+        sent = sum(a.bytes for a in _operand_leaves(comp, ins, 0))
+        room = ins.leaves[-1].bytes if ins.leaves else sent  # the output (last of a -start)
+        return min(sent, room)
     ins_bytes = sum(
         a.bytes for i in range(len(ins.operands)) for a in _operand_leaves(comp, ins, i)
     )
@@ -417,6 +425,7 @@ def analyse(text: str, slice_of: list[int] | None = None, top: int = 10) -> dict
     flops = 0.0
     unsized: dict[str, int] = defaultdict(int)
     within, across, unknown_scope = _empty_kinds(), _empty_kinds(), _empty_kinds()
+    ragged = {"count": 0, "bytes": 0}
     multi = slice_of is not None and len(set(slice_of)) > 1
     buffers: dict[str, dict] = {}
     loops = []
@@ -456,6 +465,9 @@ def analyse(text: str, slice_of: list[int] | None = None, top: int = 10) -> dict
                         scope = within
                 scope[kind]["count"] += w
                 scope[kind]["bytes"] += w * nbytes
+                if ins.opcode.startswith("ragged-all-to-all"):  # also counted as all-to-all
+                    ragged["count"] += w
+                    ragged["bytes"] += w * nbytes
             if materialised and ins.opcode not in _VIEWS and ins.leaves:
                 b = ins.bytes
                 if b and (ins.name not in buffers or buffers[ins.name]["bytes"] < b):
@@ -493,6 +505,9 @@ def analyse(text: str, slice_of: list[int] | None = None, top: int = 10) -> dict
             "within_slice": within,
             "across_slices": across,
             "unknown_scope": unknown_scope,
+            # The MoE dispatch's exchanges (runtime/model/moe_dispatch.py), a part of
+            # all-to-all; bytes are the most rows each can send (dropless: every assignment).
+            "ragged_all_to_all": ragged,
         },
         "largest_buffers": largest,
         "all_buffers": list(buffers.values()),

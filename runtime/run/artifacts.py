@@ -19,6 +19,7 @@ from jobspec.accelerators import peak_bf16_flops
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
 from runtime.host import boot
+from runtime.model import moe_dispatch
 from runtime.model.flops import flops_per_token, parameter_counts
 from runtime.run.meta import run_manifest
 from runtime.run.store import ArtifactStore
@@ -86,6 +87,12 @@ def runtime_diagnostics(cfg: RunConfig, mesh, manifest, batches, param_shardings
         "accelerator": name,
         "peak_bf16_flops_per_chip": peak,
         "mesh": {k: int(v) for k, v in mesh.shape.items()},
+        # Which MoE dispatch the step runs (dense, or sparse with its exchange and matmul).
+        "moe_dispatch": None
+        if cfg.model.routed_experts is None
+        else moe_dispatch.for_mesh(
+            cfg.model.moe_dispatch, cfg.model.moe_capacity_factor, mesh
+        ).as_dict(),
         "param_shardings": sharding_summary(param_shardings),
         "model": {
             "parameters": parameter_counts(cfg.model),

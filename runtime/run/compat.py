@@ -15,10 +15,11 @@ from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
 
 # Recomputation policy and attention kernel: same numbers (to rounding), same shapes.
-_MODEL_FREE = {"remat", "attention"}
+# The MoE dispatch moves the same parameters differently (a capacity factor only drops tokens).
+_MODEL_FREE = {"remat", "attention", "moe_dispatch", "moe_capacity_factor"}
 # Keys added after checkpoints were first written, with the value an older checkpoint implies;
 # an added key whose value is None (an optional setting or section left unset) needs no entry.
-_INTRODUCED = {"model.scan_layers": False}
+_INTRODUCED = {"model.scan_layers": False, "topology.mesh.expert": 1}
 
 
 def _flatten(prefix: str, obj: Any, out: dict[str, Any]) -> None:

@@ -47,7 +47,8 @@ def _loss_sums(
     with_loads: bool = False,
     loss_chunk_size: int = 0,
 ) -> tuple[jax.Array, Any]:
-    """(loss sum, count); with_loads: (loss sum, (count, clipped, expert loads [L, E] or None)),
+    """(loss sum, count); with_loads: (loss sum, (count, clipped, MoE stats or None)) (the
+    stats: `runtime.model.moe.MoEStats`, load [L, E] and dropped assignments [L]),
     where clipped counts the clipped_pg tokens whose ratio was clipped (0 for cross-entropy).
 
     The loss is taken from the final hidden states and the head kernel `loss_chunk_size`
@@ -78,12 +79,16 @@ def make_train_step(
     pg_clip_epsilon: float = 0.2,
     router_bias_update_rate: float = 0.0,
     loss_chunk_size: int = 0,
+    count_dropped: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The jit-able train step. With objective="clipped_pg" every batch also carries
     PG_BATCH_KEYS (float32 [accum, rows, seq_len]) and the loss is the clipped policy gradient.
 
     loss_chunk_size > 0: the [rows, seq_len, vocab] float32 logits are made (and, in the backward
-    pass, recomputed) that many positions at a time, never whole; 0 = whole sequence."""
+    pass, recomputed) that many positions at a time, never whole; 0 = whole sequence.
+
+    count_dropped (an MoE with a capacity factor): rows gain `moe_dropped_tokens`, the token ->
+    expert assignments the capacity dropped this step, summed over layers and microbatches."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if loss_chunk_size < 0:
@@ -135,8 +140,10 @@ def make_train_step(
         }
         if objective == "clipped_pg":  # share of counted tokens whose probability ratio was clipped
             metrics["pg_clip_fraction"] = clipped / denom
-        if loads is not None:  # MoE: loads [accum, L, E]; every microbatch has the same tokens
-            loads = jax.lax.stop_gradient(jnp.mean(loads, axis=0))
+        if loads is not None:  # MoE: load [accum, L, E]; every microbatch has the same tokens
+            if count_dropped:
+                metrics["moe_dropped_tokens"] = jnp.sum(loads.dropped).astype(jnp.float32)
+            loads = jax.lax.stop_gradient(jnp.mean(loads.load, axis=0))
             metrics["expert_load_max_over_mean"] = load_max_over_mean(loads)
             if rate > 0:
                 model_others = update_router_bias(model_others, loads, rate)

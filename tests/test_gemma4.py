@@ -124,6 +124,10 @@ def test_logit_parity_and_exact_round_trip(tmp_path, case):
     ours = np.asarray(model(jnp.asarray(BATCH), positions_of(BATCH)))
     assert ours.shape == ref.shape
     assert np.max(np.abs(ours - ref)) < TOL, np.max(np.abs(ours - ref))
+    if cfg.routed_experts:  # the sparse MoE dispatch (runtime/model/moe_dispatch.py) too
+        _, sparse = imported(src, moe_dispatch="sparse")
+        got = np.asarray(sparse(jnp.asarray(BATCH), positions_of(BATCH)))
+        assert np.max(np.abs(got - ref)) < TOL, np.max(np.abs(got - ref))
     # Import then export reproduces every tensor bit for bit (the tied head aside).
     theirs = read_safetensors(src)
     back = hf_from_params(cfg, flat_params(nnx.state(model, nnx.Param)))

@@ -123,7 +123,7 @@ def test_runtime_commands_plain_on_the_runs_artifacts(local_run, prepared, tmp_p
     assert keyed["parameters"].startswith("26,944 (")
     assert keyed["tokens/step"].startswith("128 = 8 x 1 x 16")
     assert keyed["steps"] == "4 to reach 512 tokens"
-    assert keyed["mesh"].endswith("data=2 fsdp=1 tensor=1 (2 devices)")
+    assert keyed["mesh"].endswith("data=2 expert=1 fsdp=1 tensor=1 (2 devices)")
     data = ok(run_cli("data", "check", prepared)).splitlines()
     assert data[0] == f"{prepared}: ok" and any(ln.split()[0] == "tokenizer" for ln in data[1:])
     pre = ok(run_cli("preflight", str(cfg), "--set", "mesh.data=1")).splitlines()

@@ -191,7 +191,6 @@ def ep_runs(tmp_path_factory, prepared) -> dict[str, Path]:
         "e2": (1, 4, {"expert": 2, "fsdp": 2}),
         "e4": (1, 4, {"expert": 4}),
         "p2-e2": (2, 2, {"expert": 2, "fsdp": 2}),
-        "p2-e4": (2, 2, {"expert": 4}),
     }
     out = {}
     for name, (procs, devices, mesh) in layouts.items():
@@ -234,7 +233,7 @@ def test_expert_layouts_give_the_same_losses_and_loads(ep_runs) -> None:
     assert [r["step"] for r in base] == list(range(1, STEPS + 1))
     # The routing is skewed: expert 0 takes (nearly) every token's first choice.
     assert base[0]["expert_load_max_over_mean"] > 3.0
-    for name in ("e2", "e4", "p2-e2", "p2-e4"):
+    for name in ("e2", "e4", "p2-e2"):
         rows = _rows(ep_runs[name])
         assert [r["batch_hash"] for r in rows] == [r["batch_hash"] for r in base], name
         for a, b in zip(rows, base, strict=True):

@@ -14,7 +14,7 @@ from multihost import run_hosts, start_hosts
 
 from runs import read_jsonl, run_cli, tiny_config, write_config
 
-STEPS = 10
+STEPS = 6
 # What may differ between a 1-process and an N-process run of the same job: timings, the
 # host count, and the output root (each layout writes under its own folder).
 VARIES = {"time", "step_time", "tokens_per_s", "elapsed", "wall_time_s", "created", "updated",
@@ -148,10 +148,10 @@ def test_non_writer_cannot_write_host_global_files(tmp_path):
 
 def test_multihost_resume_is_exact_and_reshards(tmp_path, prepared):
     mesh = {"data": 2, "fsdp": 2}
-    whole = _config(tmp_path, prepared, "whole", mesh, training={"target_tokens": 16 * 8 * 20})
+    whole = _config(tmp_path, prepared, "whole", mesh, training={"target_tokens": 16 * 8 * 8})
     _worker(whole, "whole", 2, 2)
-    split = _config(tmp_path, prepared, "split", mesh, training={"target_tokens": 16 * 8 * 20})
-    _worker(split, "split", 2, 2, "--max-steps", "10")
+    split = _config(tmp_path, prepared, "split", mesh, training={"target_tokens": 16 * 8 * 8})
+    _worker(split, "split", 2, 2, "--max-steps", "4")
     runs = tmp_path / "runs"
     shutil.copytree(runs / "split", runs / "moved")
     _worker(split, "split", 2, 2, attempt=1)  # a restarted attempt resumes on its own
@@ -159,14 +159,14 @@ def test_multihost_resume_is_exact_and_reshards(tmp_path, prepared):
     assert [r["loss"] for r in read_jsonl(runs / "split/metrics/train.jsonl")] == full
 
     # The same checkpoint on one process: refused without --reshard, exact to 1e-5 with it.
-    one = _config(tmp_path, prepared, "moved", {}, training={"target_tokens": 16 * 8 * 20})
+    one = _config(tmp_path, prepared, "moved", {}, training={"target_tokens": 16 * 8 * 8})
     refused = run_cli("worker", str(one), env={"JAXJOB_RUN_ID": "moved"})
     assert refused.returncode == 2 and "--reshard" in refused.stderr, refused.stderr
     _worker(one, "moved", 1, 1, "--reshard")
     moved = [r["loss"] for r in read_jsonl(runs / "moved/metrics/train.jsonl")]
-    assert len(moved) == 20
-    assert moved[:10] == full[:10]
-    assert moved[10:] == pytest.approx(full[10:], rel=1e-5)
+    assert len(moved) == 8
+    assert moved[:4] == full[:4]
+    assert moved[4:] == pytest.approx(full[4:], rel=1e-5)
 
 
 def test_sigterm_to_one_host_stops_all_at_one_step(tmp_path, prepared):

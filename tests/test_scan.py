@@ -289,7 +289,6 @@ _COMPILE = textwrap.dedent(
 
 _MESHES = [
     ("qwen3", {"fsdp": 1}),
-    ("qwen3", {"fsdp": 2}),
     ("qwen3", {"fsdp": 4}),
     ("qwen3", {"fsdp": 8}),
     ("qwen3", {"fsdp": 4, "tensor": 2}),
@@ -346,7 +345,7 @@ def test_compiled_train_step_holds_a_per_device_share_of_the_batch() -> None:
             continue
         bad = _global_batch_buffers(res["hlo"], fsdp)
         assert not bad, f"{res['family']} on {mesh}: global-batch buffers {bad[:8]}"
-    fsdp_temps = [temps[("qwen3", (("fsdp", n),))] for n in (1, 2, 4, 8)]
-    print(f"per-device temp bytes, fsdp 1/2/4/8: {fsdp_temps}")
+    fsdp_temps = [temps[("qwen3", (("fsdp", n),))] for n in (1, 4, 8)]
+    print(f"per-device temp bytes, fsdp 1/4/8: {fsdp_temps}")
     assert all(a > b for a, b in zip(fsdp_temps, fsdp_temps[1:], strict=False)), fsdp_temps
     assert fsdp_temps[-1] < fsdp_temps[0] / 3

@@ -62,6 +62,21 @@ def tiny_config(manifest: str, output_uri: str, run_id: str = "t", **over) -> di
     return merge(cfg, over)
 
 
+def batch_of(ids) -> dict:
+    """A train-step batch from token ids [accum, rows, seq + 1]: inputs and next-token
+    targets [accum, rows, seq], every position counted, one document per row."""
+    import jax.numpy as jnp
+
+    a, r, t = ids.shape[0], ids.shape[1], ids.shape[2] - 1
+    return {
+        "inputs": jnp.asarray(ids[..., :-1], jnp.int32),
+        "targets": jnp.asarray(ids[..., 1:], jnp.int32),
+        "loss_mask": jnp.ones((a, r, t), jnp.float32),
+        "segment_ids": jnp.ones((a, r, t), jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (a, r, t)),
+    }
+
+
 def write_config(path: Path, cfg: dict) -> Path:
     path.write_text(tomli_w.dumps(cfg))
     return path

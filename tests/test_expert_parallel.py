@@ -24,7 +24,7 @@ from multihost import run_hosts
 
 from jobspec.run_config import ModelConfig
 
-from runs import ROOT, read_jsonl, run_cli, tiny_config, write_config
+from runs import ROOT, batch_of, read_jsonl, run_cli, tiny_config, write_config
 
 # One subprocess with 4 CPU devices checks the dispatch on several meshes against a dense
 # per-token reference: y[t] = sum_k w[t, k] * expert_{idx[t, k]}(x[t]); routing is skewed so that
@@ -308,13 +308,7 @@ def test_capacity_factor_counts_the_dropped_assignments_in_the_train_step() -> N
     model.layers[0].mlp.router_bias[...] = jnp.zeros((8,)).at[0].set(5.0)  # expert 0: every token
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.vocab_size, (1, 4, 17))
-    batch = {
-        "inputs": jnp.asarray(ids[..., :-1], jnp.int32),
-        "targets": jnp.asarray(ids[..., 1:], jnp.int32),
-        "loss_mask": jnp.ones((1, 4, 16), jnp.float32),
-        "segment_ids": jnp.ones((1, 4, 16), jnp.int32),
-        "positions": jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (1, 4, 16)),
-    }
+    batch = batch_of(ids)
     # The expected count, from the routing itself: 64 tokens x top-2 over 8 experts, capacity
     # ceil(1.0 x 64 x 2 / 8) = 16 per expert; an expert chosen c times drops max(c - 16, 0).
     layer = model.layers[0]

@@ -22,6 +22,8 @@ from runtime.model.sharding import LOGICAL_RULES
 from runtime.train.state import TrainState
 from runtime.train.step import make_train_step
 
+from runs import batch_of
+
 
 def moe_cfg(**overrides: Any) -> ModelConfig:
     base = dict(
@@ -298,13 +300,7 @@ def _skewed_run(rate: float, steps: int = 50) -> tuple[float, float, np.ndarray]
     ratios = []
     for _ in range(steps):
         ids = rng.integers(0, cfg.vocab_size, (1, 4, 17))
-        batch = {
-            "inputs": jnp.asarray(ids[..., :-1], jnp.int32),
-            "targets": jnp.asarray(ids[..., 1:], jnp.int32),
-            "loss_mask": jnp.ones((1, 4, 16), jnp.float32),
-            "segment_ids": jnp.ones((1, 4, 16), jnp.int32),
-            "positions": jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (1, 4, 16)),
-        }
+        batch = batch_of(ids)
         state, metrics = step_fn(state, batch)
         ratios.append(float(metrics["expert_load_max_over_mean"]))
         assert np.isfinite(float(metrics["loss"]))

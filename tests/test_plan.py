@@ -114,8 +114,32 @@ def test_plan_of_a_tiny_moe_with_expert_parallelism_holds_the_ragged_all_to_all(
     [
         (("--accelerator", "tpu-v9-8"), "--accelerator"),
         (("--accelerator", "tpu-v5p-8", "--set", "mesh.fsdp=8"), "mesh.fsdp"),
-        (("--accelerator", "h100-80gb", "--slices", "2", "--set", "mesh.fsdp=16"), "--slices"),
-        (("--accelerator", "tpu-v5p-32", "--hosts", "2", "--set", "mesh.fsdp=16"), "--hosts"),
+        (
+            (
+                "--accelerator",
+                "h100-80gb",
+                "--slices",
+                "2",
+                "--set",
+                "mesh.fsdp=16",
+                "--set",
+                "training.global_batch_size=16",
+            ),
+            "--slices",
+        ),
+        (
+            (
+                "--accelerator",
+                "tpu-v5p-32",
+                "--hosts",
+                "2",
+                "--set",
+                "mesh.fsdp=16",
+                "--set",
+                "training.global_batch_size=16",
+            ),
+            "--hosts",
+        ),
     ],
 )
 def test_bad_targets_are_one_sentence_and_exit_2(cfg_path: Path, capsys, args, names) -> None:

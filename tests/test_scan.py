@@ -27,7 +27,7 @@ from runtime.model.registry import build_model_module
 from runtime.train.state import TrainState, model_state_from_meta, model_state_record
 from runtime.train.step import make_train_step
 
-from runs import ROOT
+from runs import ROOT, batch_of
 
 LAYERS = 3
 TINY: dict[str, Any] = dict(
@@ -219,13 +219,7 @@ def test_stacked_router_bias_trains_like_per_layer_and_survives_checkpoint_meta(
         step = jax.jit(make_train_step(graphdef, tx, optax.constant_schedule(1e-2),
                                        router_bias_update_rate=0.05))  # fmt: skip
         for row in ids:
-            batch = {
-                "inputs": jnp.asarray(row[..., :-1], jnp.int32),
-                "targets": jnp.asarray(row[..., 1:], jnp.int32),
-                "loss_mask": jnp.ones((1, 4, 16), jnp.float32),
-                "segment_ids": jnp.ones((1, 4, 16), jnp.int32),
-                "positions": jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (1, 4, 16)),
-            }
+            batch = batch_of(row)
             state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         flat = _flat(state.model_state[0])

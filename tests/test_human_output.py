@@ -146,7 +146,7 @@ def test_launch_plan_plain(tmp_path):
     text = ok(launch(tmp_path / "state", "plan", str(job), timeout=300))
     lines = fields(text)
     assert lines["target"] == "cpu x 1 host(s) x 1 slice(s) = 2 x cpu (2)", text
-    assert lines["mesh"] == "slices=1 data=2 fsdp=1 tensor=1"
+    assert lines["mesh"] == "slices=1 data=2 expert=1 fsdp=1 tensor=1"
     assert lines["memory"].startswith("peak ") and lines["FLOPs/chip"].startswith("compiled ")
     assert lines["collectives"].split(":")[0].isdigit()
 

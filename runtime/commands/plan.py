@@ -30,13 +30,28 @@ def _flops(n: float | None) -> str:
     return "?" if n is None else f"{n:.3e}"
 
 
+def _dispatch(d: dict) -> str:
+    """The MoE dispatch in a line: dropless ragged_all_to_all + megablox over 8 expert shards."""
+    cf = "" if d["capacity_factor"] is None else f" {d['capacity_factor']}"
+    if d["kind"] == "dense":
+        return "dense (every expert on every token)"
+    exchange = "no exchange" if d["exchange"] == "none" else d["exchange"]
+    return f"{d['kind']}{cf}: {exchange} + {d['matmul']} over {d['expert_shards']} expert shard(s)"
+
+
 def render(report: dict) -> str:
     t, m = report["target"], report["memory"]
     lines = [
         f"target      {t['accelerator']} x {t['hosts']} host(s) x {t['slices']} slice(s) = "
         f"{t['devices']} x {report['device_kind']} ({t['topology']})",
         f"mesh        slices={report['mesh']['slices']} data={report['mesh']['data']} "
-        f"fsdp={report['mesh']['fsdp']} tensor={report['mesh']['tensor']}",
+        f"expert={report['mesh']['expert']} fsdp={report['mesh']['fsdp']} "
+        f"tensor={report['mesh']['tensor']}",
+        *(
+            [f"moe         {_dispatch(report['moe_dispatch'])}"]
+            if report.get("moe_dispatch")
+            else []
+        ),
         f"compile     {report['compile_seconds']:.1f} s"
         + ("" if report["compiled"] else " (failed: out of memory)"),
     ]

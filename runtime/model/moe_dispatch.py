@@ -100,6 +100,14 @@ def for_mesh(setting: str, capacity_factor: float | None, mesh: Mesh) -> Dispatc
         return current(setting, capacity_factor)
 
 
+def describe(model: Any, mesh: Mesh) -> dict[str, Any] | None:
+    """What runtime.json and the plan report say of a model's MoE dispatch on `mesh` (None for a
+    model without MoE layers); `model` is a ModelConfig."""
+    if model.routed_experts is None:
+        return None
+    return for_mesh(model.moe_dispatch, model.moe_capacity_factor, mesh).as_dict()
+
+
 def capacity(capacity_factor: float | None, tokens: int, k: int, experts: int) -> int | None:
     """Assignments one expert takes from one device's `tokens`, or None (dropless)."""
     if capacity_factor is None:

@@ -171,8 +171,6 @@ def _model_summary(cfg: RunConfig) -> dict[str, Any]:
         "remat": m.remat,
         "scan_layers": m.scan_layers,
         "attention": m.attention,
-        "moe_dispatch": m.moe_dispatch,
-        "moe_capacity_factor": m.moe_capacity_factor,
     }
 
 
@@ -196,11 +194,7 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
             },  # fmt: skip
             "device_kind": devices[0].device_kind,
             "model": _model_summary(cfg),
-            "moe_dispatch": None
-            if cfg.model.routed_experts is None
-            else moe_dispatch.for_mesh(
-                cfg.model.moe_dispatch, cfg.model.moe_capacity_factor, mesh
-            ).as_dict(),
+            "moe_dispatch": moe_dispatch.describe(cfg.model, mesh),
             "training": {
                 "seq_len": cfg.training.seq_len,
                 "global_batch_size": cfg.training.global_batch_size,

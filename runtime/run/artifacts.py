@@ -88,11 +88,7 @@ def runtime_diagnostics(cfg: RunConfig, mesh, manifest, batches, param_shardings
         "peak_bf16_flops_per_chip": peak,
         "mesh": {k: int(v) for k, v in mesh.shape.items()},
         # Which MoE dispatch the step runs (dense, or sparse with its exchange and matmul).
-        "moe_dispatch": None
-        if cfg.model.routed_experts is None
-        else moe_dispatch.for_mesh(
-            cfg.model.moe_dispatch, cfg.model.moe_capacity_factor, mesh
-        ).as_dict(),
+        "moe_dispatch": moe_dispatch.describe(cfg.model, mesh),
         "param_shardings": sharding_summary(param_shardings),
         "model": {
             "parameters": parameter_counts(cfg.model),

@@ -716,6 +716,43 @@ class RuntimeConfig(Section):
     )
 
 
+class WandbConfig(Section):
+    """Weights & Biases: the same scalars as metrics/train.jsonl, from the writer host only."""
+
+    project: str = Field(min_length=1, description="W&B project the run logs to.")
+    entity: str | None = Field(None, description="W&B entity (team or user); default: yours.")
+    mode: Literal["online", "offline"] = Field(
+        "online",
+        description="online: stream to the W&B server (needs WANDB_API_KEY or `wandb login`); "
+        "offline: a run directory under <run>/wandb/ to `wandb sync` later.",
+    )
+
+
+class MetricsConfig(Section):
+    """Metric sinks beside the JSON records (which stay the source of truth); off by default.
+    A sink that fails (no network, no key, a missing package) is one warning, never a failed run."""
+
+    tensorboard: bool = Field(
+        False, description="Write TensorBoard event files under <run>/tensorboard/."
+    )
+    wandb: WandbConfig | None = Field(None, description="Log to Weights & Biases.")
+
+
+class ProfileConfig(Section):
+    """A jax.profiler trace of a few steps on every host, into <run>/profile/host-<i>/."""
+
+    start_step: Annotated[int, Field(ge=2)] = Field(
+        description="First step traced (step 1 of an attempt compiles, so 2 or later)."
+    )
+    steps: PositiveInt = Field(
+        2, description="Steps traced; they count as training but not in tokens/s."
+    )
+
+    @property
+    def last_step(self) -> int:
+        return self.start_step + self.steps - 1
+
+
 class RunConfig(Section):
     run: RunSection
     model: ModelConfig
@@ -727,6 +764,8 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     artifacts: ArtifactsConfig = ArtifactsConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    profile: ProfileConfig | None = None
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
@@ -760,6 +799,11 @@ class RunConfig(Section):
                     "model.moe_dispatch = 'dense' runs every expert on every token and cannot "
                     f"use mesh.expert = {self.mesh.expert}; set it to 'sparse' or 'auto'"
                 )
+        if self.profile and self.profile.start_step > t.total_steps:
+            raise ValueError(
+                f"profile.start_step ({self.profile.start_step}) is past the run's last step "
+                f"({t.total_steps}); pick a step the run reaches"
+            )
         names = [e.name for e in self.evals]
         if len(names) != len(set(names)):
             raise ValueError(f"evals: names must be unique, got {names}")

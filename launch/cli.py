@@ -20,6 +20,7 @@ import click
 
 from jobspec.cli import run_group
 from jobspec.errors import ConfigError, JaxjobError
+from jobspec.goodput import duration, goodput_line
 from jobspec.job_spec import JobSpec, check_mesh_fits
 from jobspec.load_job import job_schema, load_job
 from jobspec.run_config import check_dns_label
@@ -151,11 +152,29 @@ def _status(rec: RunRecord, st: dict[str, Any] | None = None) -> dict[str, Any]:
     }
 
 
-def _wait(backend: Backend, rec: RunRecord, stream: bool) -> dict[str, Any]:
+def _wait(
+    backend: Backend,
+    rec: RunRecord,
+    stream: bool,
+    all_hosts: bool = False,
+    hosts: int | None = None,
+) -> dict[str, Any]:
+    """Stream the run's output (quiet view unless `all_hosts`; `hosts`: how many the job has)
+    and return the backend's status once the run has ended."""
+    from launch.quiet import QuietStream, follow_quiet
+
     handle = rec.to_handle()
     if stream:
-        for line in backend.logs(handle, host=None, follow=True, tail=None):
-            click.echo(line)
+        lines = backend.logs(handle, host=None, follow=True, tail=None)
+        if all_hosts:
+            for line in lines:
+                click.echo(line)
+        else:
+            view = QuietStream(hosts)
+            for line in follow_quiet(lines, view):
+                click.echo(line)
+            if note := view.hidden.note():
+                click.echo(note, err=True)
     while (st := backend.status(handle)).get("state") not in TERMINAL:
         if st.get("never_starts"):  # waiting would never end
             raise JaxjobError(
@@ -193,7 +212,14 @@ def cli() -> None:
 @click.option(
     "--wait",
     is_flag=True,
-    help="Stream every host's output until the run ends; exit 0 if it succeeded, 1 if not.",
+    help="Stream the run's output until it ends; exit 0 if it succeeded, 1 if not. Shows host "
+    "0's lines and the other hosts' warnings and errors, each once with a count of the hosts "
+    "that said it ([3 hosts: 0-2] ...).",
+)
+@click.option(
+    "--all-hosts",
+    is_flag=True,
+    help="With --wait: every line of every host, each prefixed [host N].",
 )
 @JSON_OPTION
 def submit_cmd(
@@ -202,9 +228,12 @@ def submit_cmd(
     context: str | None,
     namespace: str | None,
     wait: bool,
+    all_hosts: bool,
     as_json: bool,
 ) -> None:
     """Check JOB (a job.yaml) and submit it; prints the run id and how to follow it."""
+    if all_hosts and not wait:
+        raise JaxjobError("--all-hosts applies only with --wait (launch logs RUN --all-hosts)")
     options = _backend_options(backend, context, namespace)
     registry = Registry()
     sub = prepare_submission(job, backend, registry)
@@ -242,8 +271,9 @@ def submit_cmd(
         return
     if not as_json:
         click.echo(f"submitted {rec.run_id} to the {backend} backend; waiting for it", err=True)
+    hosts = sub.spec.host_processes(backend)  # type: ignore[arg-type]
     try:
-        st = _wait(impl, rec, stream=not as_json)
+        st = _wait(impl, rec, stream=not as_json, all_hosts=all_hosts, hosts=hosts)
     except KeyboardInterrupt:
         click.echo(
             f"stopped waiting; {rec.run_id} goes on (launch cancel {rec.run_id} stops it)", err=True
@@ -309,8 +339,13 @@ def status_cmd(run: str, as_json: bool) -> None:
         click.echo(f"attempt     {attempt}")
     if st.get("hint"):
         click.echo(f"hint        {st['hint']}")
-    click.echo(f"progress    {_fmt_progress(info['progress'])}")
-    event = info["progress"].get("last_event")
+    progress = info["progress"]
+    click.echo(f"progress    {_fmt_progress(progress)}")
+    if progress.get("eta_s") is not None and info["state"] == "running":
+        click.echo(f"eta         {duration(progress['eta_s'])} (at the recent step time)")
+    if progress.get("goodput"):
+        click.echo(f"goodput     {goodput_line(progress['goodput'])}")
+    event = progress.get("last_event")
     if event:
         click.echo(f"last event  {event.get('event')} at {event.get('time')}")
     click.echo(f"artifacts   {info['run_uri']}")
@@ -323,13 +358,48 @@ def status_cmd(run: str, as_json: bool) -> None:
 @click.option(
     "--tail", type=click.IntRange(min=0), default=None, help="Only the last K lines of each host."
 )
-def logs_cmd(run: str, host: int | None, follow: bool, tail: int | None) -> None:
-    """Every host's output of RUN (all attempts), each line prefixed `[host N] `."""
-    rec = Registry().lookup(run)
+@click.option(
+    "--all-hosts",
+    is_flag=True,
+    help="Every line of every host, each prefixed [host N] (default: the quiet view).",
+)
+def logs_cmd(run: str, host: int | None, follow: bool, tail: int | None, all_hosts: bool) -> None:
+    """The output of RUN (all attempts). By default the quiet view: host 0's lines, each prefixed
+    `[host 0] `, and the other hosts' warnings and errors; a line that several hosts said is
+    shown once, prefixed with their count (`[64 hosts: 0-63] `). --all-hosts: every host's
+    lines, each prefixed `[host N] `; --host N: that host's lines only."""
+    from launch.quiet import Hidden, QuietStream, follow_quiet, quiet_lines
+
+    if host is not None and all_hosts:
+        raise JaxjobError("--host and --all-hosts exclude each other; use one")
+    registry = Registry()
+    rec = registry.lookup(run)
     backend = get_backend(rec.backend, rec.backend_options)
+    lines = backend.logs(rec.to_handle(), host=host, follow=follow, tail=tail)
     try:
-        for line in backend.logs(rec.to_handle(), host=host, follow=follow, tail=tail):
-            click.echo(line)
+        if host is not None or all_hosts:
+            for line in lines:
+                click.echo(line)
+            return
+        hidden = Hidden()
+        if follow:
+            hosts: int | None = None  # a line every host said is due at once: from job.yaml
+            try:
+                import yaml
+
+                data = yaml.safe_load((registry.run_dir(rec.run_id) / "job.yaml").read_text())
+                hosts = JobSpec.model_validate(data).host_processes(rec.backend)  # type: ignore[arg-type]
+            except Exception:  # only a shortcut: without it a warning waits its window
+                pass
+            view = QuietStream(hosts)
+            hidden = view.hidden
+            for line in follow_quiet(lines, view):
+                click.echo(line)
+        else:
+            for line in quiet_lines(lines, hidden):
+                click.echo(line)
+        if note := hidden.note():
+            click.echo(note, err=True)
     except KeyboardInterrupt:
         sys.exit(130)
 

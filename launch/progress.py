@@ -14,23 +14,45 @@ from jobspec.errors import JaxjobError
 _TAIL_BYTES = 64 * 1024  # enough for the last few JSONL rows of any metrics file
 
 
-def _last_row(fs: Any, path: str) -> dict[str, Any] | None:
-    from jobspec.storage import read_parted_tail
-
-    # A plain file, or on gs:// the parts `<name>.parts/000000.jsonl`, … the runtime appends.
-    lines = read_parted_tail(fs, path, _TAIL_BYTES).decode(errors="replace").splitlines()
-    for line in reversed(lines):
+def _rows(data: bytes) -> list[dict[str, Any]]:
+    rows = []
+    for line in data.decode(errors="replace").splitlines():
         try:
             row = json.loads(line)
         except ValueError:
-            continue  # the first line of a tail read may be cut
+            continue  # the first line of a tail read may be cut, the last one torn
         if isinstance(row, dict):
-            return row
-    return None
+            rows.append(row)
+    return rows
+
+
+def _tail_rows(fs: Any, path: str) -> list[dict[str, Any]]:
+    from jobspec.storage import read_parted_tail
+
+    # A plain file, or on gs:// the parts `<name>.parts/000000.jsonl`, … the runtime appends.
+    return _rows(read_parted_tail(fs, path, _TAIL_BYTES))
+
+
+def _all_rows(fs: Any, path: str) -> list[dict[str, Any]]:
+    from jobspec.storage import parted_exists, read_parted
+
+    return _rows(read_parted(fs, path)) if parted_exists(fs, path) else []
+
+
+def eta_seconds(rows: list[dict[str, Any]], total_steps: int | None) -> float | None:
+    """Steps left x the median step time of the newest timed rows; None when unknown."""
+    times = sorted(
+        r["step_time"] for r in rows[-50:] if isinstance(r.get("step_time"), int | float)
+    )
+    if not rows or not times or not total_steps:
+        return None
+    return max(0, total_steps - rows[-1].get("step", 0)) * times[len(times) // 2]
 
 
 def read_progress(run_uri: str) -> dict[str, Any]:
-    """{"status", "step", "total_steps", "last_loss", "last_event"}; {"error": …} when unreadable."""
+    """{"status", "step", "total_steps", "last_loss", "last_event", "goodput", "eta_s"};
+    {"error": …} when unreadable. The ETA is given while the run says it is running."""
+    from jobspec.goodput import account
     from jobspec.storage import join, url_to_fs
 
     try:
@@ -38,17 +60,22 @@ def read_progress(run_uri: str) -> dict[str, Any]:
         manifest_path = join(root, "manifest.json")
         if not fs.exists(manifest_path):
             return {"status": None, "step": 0, "total_steps": None, "last_loss": None,
-                    "last_event": None, "note": "no artifacts yet"}  # fmt: skip
+                    "last_event": None, "goodput": None, "eta_s": None,
+                    "note": "no artifacts yet"}  # fmt: skip
         with fs.open(manifest_path, "rb") as f:
             manifest = json.loads(f.read())
-        row = _last_row(fs, join(root, "metrics/train.jsonl"))
-        event = _last_row(fs, join(root, "events.jsonl"))
+        rows = _tail_rows(fs, join(root, "metrics/train.jsonl"))
+        events = _all_rows(fs, join(root, "events.jsonl"))
     except (JaxjobError, OSError, ValueError) as e:
         return {"error": f"cannot read {run_uri}: {e}"}
+    row = rows[-1] if rows else None
+    running = manifest.get("status") == "running"
     return {
         "status": manifest.get("status"),
         "step": row["step"] if row else manifest.get("steps", 0),
         "total_steps": manifest.get("total_steps"),
         "last_loss": row.get("loss") if row else None,
-        "last_event": event,
+        "last_event": next((e for e in reversed(events) if e.get("event") != "ledger"), None),
+        "goodput": account(events),
+        "eta_s": eta_seconds(rows, manifest.get("total_steps")) if running else None,
     }

@@ -85,9 +85,13 @@ def test_local_launch_commands_plain(local_run):
     assert st["attempt"] == "0  (0 of 1 restarts)"
     assert st["progress"].startswith("step 4 / 4, loss ")
     assert st["last event"].startswith("finish at ")
+    assert "% of " in st["goodput"] and "trained (1 attempt)" in st["goodput"]
+    assert "eta" not in st  # only while running
     assert st["artifacts"] == local_run["run_uri"]
-    logs = ok(launch(state, "logs", run_id, "--tail", "1")).splitlines()
+    logs = ok(launch(state, "logs", run_id, "--tail", "1", "--all-hosts")).splitlines()
     assert len(logs) == 2 and logs[0].startswith("[host 0] ") and logs[1].startswith("[host 1] ")
+    quiet = ok(launch(state, "logs", run_id, "--tail", "1")).splitlines()
+    assert quiet == logs[:1]  # the default view: host 0's lines
     listed = ok(launch(state, "list", "--status")).splitlines()
     assert len(listed) == 1 and listed[0].split()[:2] == [run_id, "local"]
     assert listed[0].endswith("  succeeded")
@@ -205,8 +209,9 @@ def test_k8s_launch_commands_plain(tmp_path):
 
         for i in range(4):
             api.answer("GET", f"{PODS}/{JS}-slice-0-{i}-a1bcd/log", f"step 3 on {i}\n")
-        logs = ok(launch(state, "logs", JS, env=env)).splitlines()
+        logs = ok(launch(state, "logs", JS, "--all-hosts", env=env)).splitlines()
         assert logs == [f"[host {i}] step 3 on {i}" for i in range(4)]
+        assert ok(launch(state, "logs", JS, env=env)).splitlines() == logs[:1]
         listed = ok(launch(state, "list", env=env)).split()
         assert listed[:2] == [JS, "k8s"]
 

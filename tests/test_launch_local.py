@@ -112,12 +112,14 @@ def finished(tmp_path_factory, prepared):
 
 
 @pytest.mark.slow
-def test_submit_wait_streams_both_hosts(finished):
+def test_submit_wait_streams_the_quiet_view(finished):
+    """Both hosts print every step; --wait shows host 0's lines (and others' warnings) once."""
     out = finished["out"]
     lines = out.stdout.splitlines()
-    assert lines and all(ln.startswith(("[host 0] ", "[host 1] ")) for ln in lines)
-    assert any(ln.startswith("[host 0] step: 12 ") for ln in lines)
-    assert any(ln.startswith("[host 1] step: 12 ") for ln in lines)
+    steps = [ln for ln in lines if "step: " in ln]
+    assert steps and all(ln.startswith("[host 0] step: ") for ln in steps)
+    assert sum(ln.startswith("[host 0] step: 12 ") for ln in lines) == 1
+    assert "quiet view:" in out.stderr and "of host 1 not shown" in out.stderr
     assert f"run {finished['run_id']} succeeded" in out.stderr
 
 
@@ -135,15 +137,52 @@ def test_status_reports_succeeded_with_steps(finished):
 @pytest.mark.slow
 def test_logs_prefix_every_line_with_its_host(finished):
     run_id, state = finished["run_id"], finished["state"]
-    lines = launch("logs", run_id, state=state).stdout.splitlines()
+    lines = launch("logs", run_id, "--all-hosts", state=state).stdout.splitlines()
     assert {ln.split("] ")[0] + "]" for ln in lines} == {"[host 0]", "[host 1]"}
     only1 = launch("logs", run_id, "--host", "1", state=state).stdout.splitlines()
     assert only1 and all(ln.startswith("[host 1] ") for ln in only1)
-    tail = launch("logs", run_id, "--tail", "2", state=state).stdout.splitlines()
+    tail = launch("logs", run_id, "--tail", "2", "--all-hosts", state=state).stdout.splitlines()
     assert sorted(ln[:8] for ln in tail) == ["[host 0]"] * 2 + ["[host 1]"] * 2
     assert tail[-1].startswith("[host 1] ") and "step: 12" in tail[-1]
     # --follow of a finished run prints everything and returns.
-    assert launch("logs", run_id, "--follow", state=state, timeout=30).stdout.splitlines() == lines
+    follow = launch("logs", run_id, "--follow", "--all-hosts", state=state, timeout=30)
+    assert follow.stdout.splitlines() == lines
+
+
+GLOG_0 = "W1206 01:02:03.123456    1234 preemption_notifier.cc:90] SIGTERM caught"
+GLOG_1 = "W1206 01:02:03.987654    4321 preemption_notifier.cc:90] SIGTERM caught"
+
+
+@pytest.mark.slow
+def test_logs_quiet_view_shows_host0_once_and_host1_warnings(finished):
+    """Host 1 warns alone, and both hosts print the same glog warning (their own time and
+    thread): the default view shows host 0's lines once, host 1's warning, and the shared one
+    once with its host count. The lines are appended to the real host logs, then taken out."""
+    from launch.backends.local.status import _attempt_dirs, _host_files
+
+    run_id, state = finished["run_id"], finished["state"]
+    rec = Registry(state / "jaxjob").lookup(run_id)
+    _, attempt = _attempt_dirs(Path(rec.handle["run_dir"]) / "logs")[-1]
+    files = dict(_host_files(attempt, None))
+    before = {i: f.read_bytes() for i, f in files.items()}
+    everything = launch("logs", run_id, "--all-hosts", state=state).stdout.splitlines()
+    host0_steps = [ln for ln in everything if ln.startswith("[host 0] step: ")]
+    try:
+        with open(files[0], "a") as f:
+            f.write(f"{GLOG_0}\n")
+        with open(files[1], "a") as f:
+            f.write(f"WARNING: host 1 only\n{GLOG_1}\n")
+        for args in ((), ("--follow",)):
+            res = launch("logs", run_id, *args, state=state, timeout=60)
+            assert res.returncode == 0, res.stderr
+            quiet = res.stdout.splitlines()
+            assert [ln for ln in quiet if "step: " in ln] == host0_steps, args  # once, in order
+            assert quiet.count("[host 1] WARNING: host 1 only") == 1, args
+            assert [ln for ln in quiet if "SIGTERM caught" in ln] == [f"[2 hosts: 0,1] {GLOG_0}"]
+            assert "of host 1 not shown" in res.stderr
+    finally:
+        for i, data in before.items():
+            files[i].write_bytes(data)
 
 
 @pytest.mark.slow

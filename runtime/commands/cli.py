@@ -52,6 +52,30 @@ SET_OPTION = click.option(
     metavar="KEY=VALUE",
     help="Override a config key, e.g. training.target_tokens=2e6.",
 )
+
+
+def _profile_sets(spec: str | None) -> tuple[str, ...]:
+    """`--profile-steps N:K` → the [profile] keys it stands for (K defaults to 2)."""
+    if spec is None:
+        return ()
+    first, _, count = spec.partition(":")
+    try:
+        start, steps = int(first), int(count or 2)
+    except ValueError:
+        raise ConfigError(
+            f"--profile-steps {spec!r}: use START:COUNT, e.g. --profile-steps 10:3"
+        ) from None
+    return (f"profile.start_step={start}", f"profile.steps={steps}")
+
+
+PROFILE_OPTION = click.option(
+    "--profile-steps",
+    "profile_steps",
+    metavar="N:K",
+    default=None,
+    help="Trace steps N..N+K-1 with jax.profiler on every host into <run>/profile/host-<i>/ "
+    "(the same as [profile] start_step = N, steps = K).",
+)
 CHECKPOINT_OPTION = click.option(
     "--checkpoint", "selector", default="latest", show_default=True, help="latest, best or a step."
 )
@@ -80,9 +104,15 @@ def cli() -> None:
     help="With --resume: continue from this committed checkpoint instead of the latest; the "
     "later checkpoints are discarded (each one printed).",
 )
+@PROFILE_OPTION
 @SET_OPTION
 def local_cmd(
-    config: str, resume: bool, max_steps: int | None, from_step: int | None, sets: tuple[str, ...]
+    config: str,
+    resume: bool,
+    max_steps: int | None,
+    from_step: int | None,
+    profile_steps: str | None,
+    sets: tuple[str, ...],
 ) -> None:
     """Train CONFIG on this node's devices, with no launcher.
 
@@ -99,7 +129,7 @@ def local_cmd(
             f"--from-step {from_step} continues a run: pass it with --resume "
             f"(runtime local CONFIG --resume --from-step {from_step})"
         )
-    cfg, source = _load(config, sets)
+    cfg, source = _load(config, (*sets, *_profile_sets(profile_steps)))
     from runtime.train.loop import train
 
     result = train(cfg, source, resume=resume, max_steps=max_steps, from_step=from_step)
@@ -261,8 +291,13 @@ def data_group() -> None:
     show_default=True,
     help="text: documents into a token stream; rollouts: RL/SFT rollout JSONL, one per row.",
 )
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress bar on stderr (bytes, documents, tokens/s, ETA). [default: on a terminal]",
+)
 @click.option("--json", "as_json", is_flag=True)
-def data_prepare(inputs, tokenizer, out, val_fraction, max_bytes, fmt, as_json) -> None:
+def data_prepare(inputs, tokenizer, out, val_fraction, max_bytes, fmt, progress, as_json) -> None:
     """Tokenize text/JSONL files (or rollout JSONL) into token shards and a manifest.json.
 
     Rollout lines: {"prompt_ids" | "prompt", "completion_ids" | "completion",
@@ -271,7 +306,13 @@ def data_prepare(inputs, tokenizer, out, val_fraction, max_bytes, fmt, as_json) 
     from runtime.data.prepare import prepare_dataset
 
     m = prepare_dataset(
-        list(inputs), tokenizer, out, val_fraction=val_fraction, max_bytes=max_bytes, format=fmt
+        list(inputs),
+        tokenizer,
+        out,
+        val_fraction=val_fraction,
+        max_bytes=max_bytes,
+        format=fmt,
+        progress=progress,
     )
     summary = json.loads(m.model_dump_json())
     if as_json:
@@ -352,6 +393,11 @@ def inspect_cmd(run: str, as_json: bool) -> None:
         _print_json(report)
     else:
         click.echo(render(report))
+
+
+from runtime.commands.plot import plot_cmd  # noqa: E402  (click only; matplotlib loads on use)
+
+cli.add_command(plot_cmd)
 
 
 @cli.group("checkpoints")

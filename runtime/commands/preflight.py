@@ -132,6 +132,16 @@ def preflight(cfg: RunConfig) -> dict[str, Any]:
         return f"{store.uri('')} writable", None
 
     check("output", output)
+
+    def sinks():
+        from runtime.observe.sinks import sink_check
+
+        try:
+            return f"{sink_check(cfg.metrics) or 'none configured'}", None
+        except RuntimeError as e:
+            raise JaxjobError(str(e)) from None
+
+    check("metric sinks", sinks)
     est = memory_estimate(cfg, len(devices))
     limit = _device_limit()
     compiled = compiled_memory(cfg, devices, limit)

@@ -26,6 +26,10 @@ Rules (the manifest format is described in manifest.py):
   * format "rollouts": every input is rollout JSONL (rollouts.py); each rollout is one document
     (prompt then completion, no eos added) with its per-token fields; max_bytes is refused, the
     split rule is the same.
+  * progress: a bar on stderr (bytes read of the inputs' total, documents, tokens/s, ETA; see
+    progress.py); None shows it only when stderr is a terminal. It is shown by whoever runs
+    prepare_dataset: in a job that is the writer alone (ensure_manifest). It never changes the
+    dataset.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from runtime.data.manifest import (
     token_dtype_for,
     write_manifest,
 )
+from runtime.data.progress import PrepareProgress
 from runtime.data.rollouts import Rollout, read_rollouts, rollout_fields
 from runtime.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -111,7 +116,9 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return sorted(found)
 
 
-def _documents(files: list[str], max_bytes: int | None) -> Iterator[bytes]:
+def _documents(
+    files: list[str], max_bytes: int | None, progress: PrepareProgress | None = None
+) -> Iterator[bytes]:
     """Raw UTF-8 bytes of each document in order, stopping once max_bytes have been yielded."""
     left = max_bytes
     for uri in files:
@@ -121,9 +128,13 @@ def _documents(files: list[str], max_bytes: int | None) -> Iterator[bytes]:
                 doc = doc[:left]
                 left -= len(doc)
             if doc:
+                if progress is not None:
+                    progress.bytes += len(doc)
                 yield doc
             if left is not None and left <= 0:
                 return
+        if progress is not None:
+            progress.file_done()
 
 
 def _file_documents(fs, path: str, uri: str) -> Iterator[bytes]:
@@ -329,10 +340,12 @@ def prepare_dataset(
     max_bytes: int | None = None,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     format: Literal["text", "rollouts"] = "text",
+    progress: bool | None = None,
 ) -> Manifest:
     """Tokenize `inputs` into `out` (local folder or gs://…) and return the written manifest.
 
-    format="rollouts" reads rollout JSONL (see rollouts.py) into the "rollouts" layout."""
+    format="rollouts" reads rollout JSONL (see rollouts.py) into the "rollouts" layout.
+    progress: show the bar on stderr (True), never (False), or only on a terminal (None)."""
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction is {val_fraction}; use a value in [0, 1)")
     if shard_tokens <= 0:
@@ -351,11 +364,13 @@ def prepare_dataset(
     if format == "rollouts":
         kind, docs = read_rollouts(files, tok)
         fields = rollout_fields(kind)
+        bar = PrepareProgress(files, None, progress, every=ENCODE_BATCH, bytes_known=False)
     else:
+        bar = PrepareProgress(files, max_bytes, progress, every=ENCODE_BATCH)
         eos = np.array([tok.eos_id], dtype=np.int64)
         docs = (
             Rollout(np.concatenate([ids, eos]), {})
-            for ids in _encoded(tok, _documents(files, max_bytes))
+            for ids in _encoded(tok, _documents(files, max_bytes, bar))
             if len(ids)
         )
     fs, root = url_to_fs(out)
@@ -363,7 +378,7 @@ def prepare_dataset(
     try:
         fs.makedirs(join(root, folder), exist_ok=True)
         splits = _write_splits(
-            out, folder, dtype, shard_tokens, fields, iter(docs), val_fraction, inputs
+            out, folder, dtype, shard_tokens, fields, iter(docs), val_fraction, inputs, bar
         )
         if splits is None:
             raise DataError(
@@ -381,10 +396,12 @@ def prepare_dataset(
         manifest = _manifest(tok, tokenizer, dtype, format, splits, source)
         write_manifest(manifest, join(out, "manifest.json"))  # the commit point
     except BaseException as e:  # nothing was swapped in: the old dataset stays as it was
+        bar.close(complete=False)
         _remove_folder(out, folder)
         if isinstance(e, Exception) and not isinstance(e, JaxjobError):
             _raise_write_error(out, e)
         raise
+    bar.close(complete=True)
     _remove_previous(out, keep=folder)
     return manifest.with_root(out.rstrip("/") or out)
 
@@ -398,6 +415,7 @@ def _write_splits(
     docs: Iterator[Rollout],
     val_fraction: float,
     inputs: list[str],
+    progress: PrepareProgress,
 ) -> Splits | None:
     """The splits' shards and offsets under out/folder; None when the input held no document."""
     writers = {
@@ -409,6 +427,7 @@ def _write_splits(
     while (doc := _next_document(docs, inputs)) is not None:
         split = "validation" if every and kept % every == 1 else "train"
         writers[split].add(doc.tokens, doc.values)
+        progress.wrote(len(doc.tokens))
         kept += 1
     if kept == 0:
         return None

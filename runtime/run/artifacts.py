@@ -10,11 +10,12 @@ import datetime as dt
 import importlib.metadata
 import platform
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
+from jobspec import goodput
 from jobspec.accelerators import peak_bf16_flops
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
@@ -24,6 +25,10 @@ from runtime.model.flops import flops_per_token, parameter_counts
 from runtime.run.meta import run_manifest
 from runtime.run.store import ArtifactStore
 from runtime.train.metrics import Throughput, live_line
+
+if TYPE_CHECKING:  # the loop hands them in: runtime/observe sits above runtime/run
+    from runtime.observe.ledger import TimeLedger
+    from runtime.observe.sinks import MetricSinks
 
 TRAIN_METRICS = "metrics/train.jsonl"
 EVAL_METRICS = "metrics/eval.jsonl"
@@ -113,8 +118,16 @@ def _scalar(x: Any) -> float:
 class RunArtifacts:
     """Builds the run's records; writes them through the store on the writer host only."""
 
-    def __init__(self, store: ArtifactStore, cfg: RunConfig, source_toml: str):
+    def __init__(
+        self,
+        store: ArtifactStore,
+        cfg: RunConfig,
+        source_toml: str,
+        ledger: TimeLedger,
+        sinks: MetricSinks,
+    ):
         self.store, self.cfg, self.source_toml = store, cfg, source_toml
+        self.ledger, self.sinks = ledger, sinks
         fpt = flops_per_token(cfg.model, cfg.training.seq_len)
         self.flops_per_token = float(fpt["total"])
         self.accelerator, chip_peak = device_peak(jax.devices())
@@ -143,6 +156,8 @@ class RunArtifacts:
         self.store.write_host_json("runtime.json", {"time": now(), **diagnostics})
         if not self.writer:
             return
+        # Steps an earlier attempt reached past this start are recomputed, not progress.
+        self.ledger.redo_until = max(start_step, self._reached_before())
         # Rows past the starting step are recomputed by this attempt (all of them for a fresh
         # start over a failed attempt that left no checkpoint); drop the stale copies.
         for rel in (TRAIN_METRICS, EVAL_METRICS):
@@ -160,22 +175,53 @@ class RunArtifacts:
         )
         self.event("resume" if resume else "start", step=start_step, total_steps=total_steps)
 
-    def step_done(self, step: int, metrics: Any, provenance: dict, emit, *, sync: bool) -> None:
+    def _reached_before(self) -> int:
+        """The furthest step earlier attempts logged or recorded (0 for a fresh run)."""
+        reached = 0
+        if self.store.exists(TRAIN_METRICS):
+            reached = max(
+                (r.get("step", 0) for r in self.store.read_jsonl(TRAIN_METRICS)), default=0
+            )
+        if self.store.exists(EVENTS):
+            for e in self.store.read_jsonl(EVENTS):
+                for key in ("step", "last_step"):
+                    if isinstance(e.get(key), int) and e.get("event") in (
+                        "ledger",
+                        "interrupted",
+                        "failure",
+                        "finish",
+                    ):
+                        reached = max(reached, e[key])
+        return reached
+
+    def record_time(self, *, force: bool = False) -> None:
+        """A snapshot of the time ledger as a `ledger` event (goodput is computed from them);
+        unless forced, at most every RECORD_EVERY_S."""
+        if self.writer and (force or self.ledger.record_due()):
+            self.event("ledger", **self.ledger.snapshot())
+
+    def step_done(
+        self, step: int, metrics: Any, provenance: dict, emit, *, sync: bool, timed: bool = True
+    ) -> None:
         """Record a finished step; rows are fetched and written every `training.log_every`
-        steps, and at `sync` (before an eval, a save or the end), so the host rarely waits."""
+        steps, and at `sync` (before an eval, a save, a profile or the end), so the host rarely
+        waits. `timed=False` (profiled steps) writes the rows without throughput figures."""
         self._pending.append((step, metrics, provenance))
         if step % self.cfg.training.log_every == 0 or sync:
             pending, self._pending = self._pending, []
-            self.last_row = self._flush(pending, emit) or self.last_row
+            self.last_row = self._flush(pending, emit, timed) or self.last_row
 
-    def _flush(self, pending: list, emit) -> dict | None:
+    def _flush(self, pending: list, emit, timed: bool = True) -> dict | None:
         """Fetch the metrics of the steps since the last sync (one device_get: the sync point),
         then time the interval, write the rows and print the live line for the last one.
-        Timing fields go on the last row of the interval."""
+        Timing fields (and the ETA they give) go on the last row of the interval."""
         if not pending:
             return None
         fetched = jax.device_get([m for _, m, _ in pending])
-        timing = self.meter.interval(pending[-1][0])
+        timing = self.meter.interval(pending[-1][0]) if timed else None
+        if timing:
+            remaining = self.cfg.training.total_steps - pending[-1][0]
+            timing["eta_s"] = remaining * timing["step_time"]
         rows = []
         tps = self.cfg.training.tokens_per_step
         mode = self.cfg.artifacts.provenance
@@ -190,12 +236,14 @@ class RunArtifacts:
             rows[-1].update(timing)
         if self.writer:
             self.store.append_jsonl(TRAIN_METRICS, rows)
+            self.sinks.train_rows(rows)
         emit(live_line(rows[-1]))
         return rows[-1]
 
     def eval_row(self, row: dict) -> None:
         if self.writer:
             self.store.append_jsonl(EVAL_METRICS, [row])
+            self.sinks.eval_row(row)
 
     def finish(self, status: str, step: int, index: dict, wall_s: float, **extra) -> dict:
         last_row = self.last_row
@@ -222,7 +270,11 @@ class RunArtifacts:
             timed = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
             if timed:
                 summary["tokens_per_s_median"] = float(np.median(timed))
+            self.sinks.close()  # W&B's own finish is part of this attempt's time
+            # The time first, so the run's last event stays the one that says how it ended.
+            self.record_time(force=True)
             self.event("interrupted" if status == "interrupted" else "finish", step=step, **extra)
+            summary["goodput"] = goodput.account(self.store.read_jsonl(EVENTS))
             self.store.write_json("summaries/final.json", summary)
             self._write_manifest(status=status, steps=step, tokens=summary["tokens"])
         return summary
@@ -232,6 +284,7 @@ class RunArtifacts:
             return
         try:
             msg = str(err) or type(err).__name__
+            self.record_time(force=True)
             self.event(
                 "failure",
                 step=step,
@@ -241,5 +294,6 @@ class RunArtifacts:
                 traceback=traceback.format_exception(err)[-3:],
             )
             self._write_manifest(status="failed", steps=step)
+            self.sinks.close()
         except Exception:  # the original error matters more than a failed report of it
             pass

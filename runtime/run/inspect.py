@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from jobspec.errors import StorageError
+from jobspec.goodput import account, goodput_line
 from jobspec.storage import configure_gcs_env
 from runtime.run.artifacts import EVAL_METRICS, EVENTS, TRAIN_METRICS
 from runtime.run.store import ArtifactStore
@@ -52,7 +53,10 @@ def inspect_run(run: str) -> dict[str, Any]:
         "unreadable_checkpoints": [
             c["step"] for c in index.get("checkpoints", []) if c.get("unreadable")
         ],
-        "last_event": events[-1] if events else None,
+        # The newest thing that happened (time-ledger snapshots are bookkeeping, not events).
+        "last_event": next((e for e in reversed(events) if e.get("event") != "ledger"), None),
+        # Over every attempt, from the ledger snapshots the writers recorded.
+        "goodput": account(events),
         "summary": summary,
     }
 
@@ -79,6 +83,8 @@ def render(r: dict[str, Any]) -> str:
         f"best {fmt(r['best_checkpoint'])}"
         + (f"  unreadable {r['unreadable_checkpoints']}" if r["unreadable_checkpoints"] else "")
     )
+    if r["goodput"]:
+        lines.append(f"goodput      {goodput_line(r['goodput'])}")
     if r["last_event"]:
         e = r["last_event"]
         lines.append(f"last event   {e.get('event')} at {e.get('time')}")

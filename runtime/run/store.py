@@ -110,6 +110,11 @@ class ArtifactStore:
         hrel = self.host_rel(rel)
         self._put(hrel, _dump_json(self.uri(hrel), obj))
 
+    def write_own_bytes(self, rel: str, data: bytes) -> None:
+        """A file only this process writes, at a path that names its host (a profile trace under
+        profile/host-<i>/): not host-global, so any process may."""
+        self._put(rel, data)
+
     def append_jsonl(self, rel: str, rows: list[dict]) -> None:
         """Add whole rows to a JSONL file; rows already there (a resumed run's) are kept."""
         self._require_writer(rel)

@@ -25,6 +25,10 @@ from runtime.host import boot, startup
 from runtime.host.coordination import HostWatchdog, StopAgreement
 from runtime.model.build import build_model
 from runtime.model.sharding import batch_sharding, build_mesh
+from runtime.observe import ledger as buckets
+from runtime.observe.ledger import TimeLedger
+from runtime.observe.profile import ProfileWindow
+from runtime.observe.sinks import MetricSinks
 from runtime.run import artifacts, owner
 from runtime.run.checkpoint import (
     CheckpointService,
@@ -72,6 +76,8 @@ class Run:
     fingerprint: dict
     batch_sharding: Any
     global_shape: tuple[int, int, int]
+    ledger: TimeLedger
+    profile: ProfileWindow
     step: int = 0  # the last step completed in this attempt (what a failure is recorded at)
 
 
@@ -121,7 +127,15 @@ def _open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[Ar
 
 
 def _initial_state(
-    cfg: RunConfig, resume: bool, reshard: bool, ckpt, fp, parts, mesh, from_step: int | None = None
+    cfg: RunConfig,
+    resume: bool,
+    reshard: bool,
+    ckpt,
+    fp,
+    parts,
+    mesh,
+    ledger: TimeLedger,
+    from_step: int | None = None,
 ):
     """(state, shardings, start step, decay_steps, data state) for a fresh or resumed attempt.
 
@@ -142,13 +156,14 @@ def _initial_state(
     # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.
     check_compatible(ckpt.fingerprint(start_step), fp, step=start_step, reshard=reshard)
     try:
-        params, opt_state, meta = ckpt.restore(
-            start_step,
-            params_target=parts.params,
-            opt_state_target=abstract_opt_state(provisional, parts.params, shardings),
-            # A launched job (booted by `runtime worker`) is resumed by submitting it again.
-            fallback="rollback" if boot.current() else "resume",
-        )
+        with ledger.timing(buckets.RESTORE):
+            params, opt_state, meta = ckpt.restore(
+                start_step,
+                params_target=parts.params,
+                opt_state_target=abstract_opt_state(provisional, parts.params, shardings),
+                # A launched job (booted by `runtime worker`) is resumed by submitting it again.
+                fallback="rollback" if boot.current() else "resume",
+            )
     except UnreadableCheckpointError as e:
         try:
             _record_unreadable(ckpt, e)
@@ -202,12 +217,13 @@ def _prepare(
     ckpt,
     manifest,
     mesh,
+    ledger: TimeLedger,
     from_step: int | None = None,
 ) -> Run:
     fp = run_fingerprint(cfg, manifest)
     parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
     state, state_sh, start_step, decay_steps, data_state = _initial_state(
-        cfg, resume, reshard, ckpt, fp, parts, mesh, from_step
+        cfg, resume, reshard, ckpt, fp, parts, mesh, ledger, from_step
     )
     tx, schedule = build_optimizer(cfg.optimizer, decay_steps)
     t = cfg.training
@@ -216,7 +232,10 @@ def _prepare(
     )
     b_sh = batch_sharding(mesh, 3, leading=1)
     step_fn = train_program(cfg, parts, tx, schedule, state_sh, mesh)
-    art = artifacts.RunArtifacts(store, cfg, source_toml)
+    sinks = MetricSinks.open(
+        cfg.metrics, store, run_id=cfg.run.id, start_step=start_step, config=resolved_dict(cfg)
+    )
+    art = artifacts.RunArtifacts(store, cfg, source_toml, ledger, sinks)
     art.start(
         resume=resume,
         start_step=start_step,
@@ -230,7 +249,7 @@ def _prepare(
         evaluator=Evaluator(cfg, manifest, parts, mesh), step_fn=step_fn, state=state,
         start_step=start_step, data_state=data_state, decay_steps=decay_steps, fingerprint=fp,
         batch_sharding=b_sh, global_shape=(t.gradient_accumulation_steps, t.global_batch_size, t.seq_len),
-        step=start_step,
+        ledger=ledger, profile=ProfileWindow(cfg.profile, store, start_step), step=start_step,
     )  # fmt: skip
 
 
@@ -262,6 +281,8 @@ def train(
 def _train(
     cfg, source_toml, resume, max_steps, writer_index, reshard, emit, from_step
 ) -> TrainResult:
+    # Every second of this attempt from its process start goes to one bucket (goodput).
+    ledger = TimeLedger()
     configure_gcs_env()
     t_start = time.perf_counter()
     store, resume = _open_run(cfg, resume, writer_index)
@@ -278,7 +299,9 @@ def _train(
     info = boot.current()
     stop = StopAgreement(run_id=cfg.run.id, attempt=info.attempt if info else 0)
     try:
-        run = _prepare(cfg, source_toml, resume, reshard, store, ckpt, manifest, mesh, from_step)
+        run = _prepare(
+            cfg, source_toml, resume, reshard, store, ckpt, manifest, mesh, ledger, from_step
+        )
         # The agreement takes SIGTERM/SIGINT over before start-up lets go, so no signal finds
         # the default handler in between; a stop asked for during start-up (also one whose
         # exception some library swallowed) is raised by end(), before any step.
@@ -313,6 +336,7 @@ def _train(
         run.art.fail(run.step, e)
         raise
     finally:
+        run.profile.abandon()
         stop.restore()
         # After a failure, close() only logs what it cannot finish: the first error is the
         # one the user sees and the one the exit code comes from.
@@ -336,18 +360,26 @@ def _loop(
     """
     total_steps = run.cfg.training.total_steps
     end_step = total_steps if max_steps is None else min(total_steps, run.start_step + max_steps)
+    ledger, profile = run.ledger, run.profile
     with run.batches.iterate(run.start_step) as it:
         if run.data_state is not None:
             it.set_state(run.data_state)
         while run.step < end_step:
+            ledger.switch(buckets.DATA_WAIT)
             item = next(it)
             batch = {
                 k: jax.make_array_from_process_local_data(run.batch_sharding, v, run.global_shape)
                 for k, v in item.batch.items()
             }
+            step = run.step + 1
+            with ledger.timing(buckets.PROFILE):
+                profile.start(step, emit)
+            first = step == run.start_step + 1
+            ledger.switch(ledger.step_bucket(step, first_of_attempt=first))
             run.state, m = run.step_fn(run.state, batch)
-            run.step = step = run.step + 1
-            if step == run.start_step + 1:
+            run.step = step
+            ledger.stepped(step)
+            if first:
                 # The first step of an attempt includes compilation: time it alone, then start
                 # the throughput clock, so tokens/s measures steady-state steps only.
                 jax.block_until_ready(m)
@@ -361,18 +393,31 @@ def _loop(
             stopping = stop.should_stop(step)  # every host agrees on the same step
             eval_due, save_due = run.evaluator.due(step), run.ckpt.due(step)
             pause = eval_due or save_due
+            # Profiled steps are synced at both ends and kept out of tokens/s.
+            traced = profile.active(step)
             run.art.step_done(
-                step, m, item.provenance, emit, sync=pause or stopping or step == end_step
-            )
+                step, m, item.provenance, emit,
+                sync=pause or stopping or step == end_step or profile.starts_after(step)
+                or profile.ends_at(step),
+                timed=not traced,
+            )  # fmt: skip
+            if traced:
+                with ledger.timing(buckets.PROFILE):
+                    if (captured := profile.stop(step, m, emit)) is not None:
+                        run.art.event("profile", **captured)
+                        run.art.meter.mark(step)
             if eval_due:
                 watchdog.progress(step, "eval")  # may be long: its own compile, many batches
-            eval_metrics = run.evaluator.maybe_run(step, run.state, run.art, emit)
+            with ledger.timing(buckets.EVAL):
+                eval_metrics = run.evaluator.maybe_run(step, run.state, run.art, emit)
             if save_due:
                 watchdog.progress(step, "checkpoint")
-            _save(run, eval_metrics)
+            with ledger.timing(buckets.CHECKPOINT):
+                _save(run, eval_metrics)
             if pause:
                 watchdog.progress(step)  # back to stepping
                 run.art.meter.mark(step)  # eval and save time is not training throughput
+            run.art.record_time(force=pause)
             if stopping:
                 return "interrupted"
     return "completed" if run.step == total_steps else "stopped"
@@ -384,16 +429,20 @@ def _finish(
     """The one way a run ends: final evals, final save, wait for it, summary, exit code."""
     cfg, step = run.cfg, run.step
     watchdog.progress(step, "finish")  # final evals and saves may be long: not judged
+    run.profile.abandon()  # an attempt that stopped inside the window: no partial trace
+    run.ledger.switch(buckets.FINISH)
     extra: dict[str, Any] = {}
     save = status != "interrupted" or cfg.checkpoint.on_signal
-    eval_metrics = (
-        run.evaluator.maybe_run(step, run.state, run.art, emit, final=True)
-        if status == "completed"
-        else None
-    )
+    with run.ledger.timing(buckets.EVAL):
+        eval_metrics = (
+            run.evaluator.maybe_run(step, run.state, run.art, emit, final=True)
+            if status == "completed"
+            else None
+        )
     if save:
-        _save(run, eval_metrics, final=True)
-        run.ckpt.wait()
+        with run.ledger.timing(buckets.CHECKPOINT):
+            _save(run, eval_metrics, final=True)
+            run.ckpt.wait()
     if status == "interrupted":
         extra["signal"] = name = stop.reason or "signal"
         emit(f"{name} received: stopped at step {step}" + (", checkpoint saved" if save else ""))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from jobspec.goodput import duration
+
 
 @dataclass
 class Throughput:
@@ -37,7 +39,8 @@ class Throughput:
 
 
 def live_line(row: dict) -> str:
-    """`step: 10 | loss: 5.247 | grad_norm: 1.155 | lr: 2.9e-04 | tps: 59,660 | elapsed: 39.8s`."""
+    """`step: 10 | loss: 5.247 | grad_norm: 1.155 | lr: 2.9e-04 | tps: 59,660 | elapsed: 39.8s |
+    eta: 4m10s`."""
     parts = [
         f"step: {row['step']}",
         f"loss: {row['loss']:.3f}",
@@ -52,6 +55,8 @@ def live_line(row: dict) -> str:
         parts.append(f"mfu: {100 * row['mfu']:.1f}%")
     if "elapsed" in row:
         parts.append(f"elapsed: {row['elapsed']:.1f}s")
+    if row.get("eta_s"):
+        parts.append(f"eta: {duration(row['eta_s'])}")
     return " | ".join(parts)
 
 

@@ -1,0 +1,1 @@
+"""Observability derived from the run's records: metric sinks, profiles, goodput, plots."""

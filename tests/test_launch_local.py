@@ -97,10 +97,12 @@ def state(tmp_path):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, prepared):
-    """One 2-process run submitted with --wait, shared by the read-only tests below."""
+    """One 2-process run submitted with --wait, shared by the read-only tests below; it profiles
+    steps 7..8 and writes TensorBoard files."""
     tmp = tmp_path_factory.mktemp("launch")
     state = tmp / "state"
-    job = write_job(tmp, prepared, "tiny", steps=12, training={"log_every": 3})
+    job = write_job(tmp, prepared, "tiny", steps=12, training={"log_every": 3},
+                    profile={"start_step": 7, "steps": 2}, metrics={"tensorboard": True})  # fmt: skip
     t0 = time.monotonic()
     try:
         r = launch("submit", str(job), "--wait", state=state)
@@ -183,6 +185,16 @@ def test_logs_quiet_view_shows_host0_once_and_host1_warnings(finished):
     finally:
         for i, data in before.items():
             files[i].write_bytes(data)
+
+
+@pytest.mark.slow
+def test_every_host_profiles_and_only_the_writer_has_sinks(finished):
+    run_uri = status(finished["run_id"], finished["state"])["run_uri"]
+    for host in (0, 1):
+        assert list(Path(run_uri).glob(f"profile/host-{host}/plugins/profile/*/*.xplane.pb"))
+    assert len(list(Path(run_uri).glob("tensorboard/events.out.tfevents.*"))) == 1
+    rows = read_jsonl(Path(run_uri) / "metrics/train.jsonl")
+    assert all("tokens_per_s" not in r for r in rows if r["step"] in (7, 8))
 
 
 @pytest.mark.slow

@@ -272,3 +272,35 @@ def test_profile_steps_option(tmp_path, prepared, capsys):
             main(["local", str(cfg), "--profile-steps", spec])
         err = capsys.readouterr().err
         assert exit.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_tensorboard_sink_on_gs_and_a_resumed_attempt_purges(run_uri, tmp_path):
+    """Through the run's store, locally and on gs:// (the emulator): two attempts, the second
+    resuming from step 3 after the first logged to step 5; TensorBoard's reader then shows the
+    second attempt's rows from step 4 on, as train.jsonl has them."""
+    import fsspec
+
+    from jobspec.run_config import MetricsConfig
+    from jobspec.storage import url_to_fs
+    from runtime.observe.sinks import MetricSinks
+    from runtime.run.store import ArtifactStore
+
+    store = ArtifactStore(run_uri)
+    cfg = MetricsConfig(tensorboard=True)
+    first = MetricSinks.open(cfg, store, run_id="r", start_step=0, config={})
+    first.train_rows(_rows(5))
+    first.close()
+    second = MetricSinks.open(cfg, store, run_id="r", start_step=3, config={})
+    again = [{**r, "loss": r["loss"] - 1.0} for r in _rows(6)[3:]]
+    second.train_rows(again)
+    second.close()
+    fs, root = url_to_fs(run_uri)
+    local = tmp_path / "tb"
+    local.mkdir()
+    names = fs.ls(f"{root}/tensorboard", detail=False)
+    assert len(names) == 2
+    for name in names:
+        (local / name.rsplit("/", 1)[-1]).write_bytes(fs.cat_file(name))
+    want = {r["step"]: r["loss"] for r in _rows(3) + again}
+    assert _scalars(local)["train/loss"] == pytest.approx(want)
+    assert isinstance(fs, fsspec.AbstractFileSystem)

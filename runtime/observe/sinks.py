@@ -97,7 +97,12 @@ class TensorBoardSink(_Sink):
         )
         self._uploaded = 0.0
         self.writer = SummaryWriter(
-            logdir=self.local, purge_step=start_step + 1 if start_step else None, flush_secs=10
+            logdir=self.local,
+            purge_step=start_step + 1 if start_step else None,
+            flush_secs=10,
+            # The default name (seconds, host) repeats for two attempts in the same second, and
+            # TensorBoard reads a folder's files in name order: nanoseconds keep attempts in order.
+            filename_suffix=f".{time.time_ns()}.{os.getpid()}",
         )
 
     def _log(self, step: int, values: dict[str, float]) -> None:

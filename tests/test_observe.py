@@ -304,3 +304,44 @@ def test_tensorboard_sink_on_gs_and_a_resumed_attempt_purges(run_uri, tmp_path):
     want = {r["step"]: r["loss"] for r in _rows(3) + again}
     assert _scalars(local)["train/loss"] == pytest.approx(want)
     assert isinstance(fs, fsspec.AbstractFileSystem)
+
+
+def test_goodput_accounting_of_synthetic_attempts():
+    """A crashed attempt (its last snapshot at t=60, then nothing) and a restart at t=100 that
+    recomputes the steps the crash lost: the 40 s gap is lost, the buckets sum to the span."""
+    from jobspec.goodput import account, goodput_line
+    from runtime.observe.ledger import TimeLedger
+
+    def snap(start, at, seconds, pid):
+        return {"event": "ledger", "process_start": start, "recorded_at": at, "pid": pid,
+                "seconds": seconds, "first_step": 1, "last_step": 9}  # fmt: skip
+
+    events = [
+        {"event": "start", "step": 0},
+        snap(0.0, 30.0, {"startup": 10, "compile": 5, "productive": 15}, 1),
+        snap(0.0, 60.0, {"startup": 10, "compile": 5, "productive": 40, "checkpoint": 5}, 1),
+        snap(
+            100.0,
+            150.0,
+            {"startup": 10, "restore": 2, "compile": 5, "recomputed": 8, "productive": 25},
+            2,
+        ),  # fmt: skip
+    ]
+    g = account(events)
+    assert g["wall_s"] == pytest.approx(150.0) == sum(g["seconds"].values())
+    assert g["seconds"]["lost"] == pytest.approx(40.0)
+    assert g["seconds"]["recomputed"] == 8 and g["productive_s"] == 65
+    assert g["goodput"] == pytest.approx(65 / 150)
+    assert [a["wall_s"] for a in g["attempts"]] == [60.0, 50.0]
+    assert goodput_line(g).startswith("43.3% of 2m30s trained (2 attempts); lost 40.0s, ")
+    assert account([{"event": "start"}]) is None
+
+    ledger = TimeLedger()
+    ledger.redo_until = 5
+    assert ledger.step_bucket(4, first_of_attempt=True) == "compile"
+    assert ledger.step_bucket(5, first_of_attempt=False) == "recomputed"
+    assert ledger.step_bucket(6, first_of_attempt=False) == "productive"
+    snap_now = ledger.snapshot()
+    assert sum(snap_now["seconds"].values()) == pytest.approx(
+        snap_now["recorded_at"] - snap_now["process_start"], abs=1e-3
+    )

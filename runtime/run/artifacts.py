@@ -178,10 +178,9 @@ class RunArtifacts:
     def _reached_before(self) -> int:
         """The furthest step earlier attempts logged or recorded (0 for a fresh run)."""
         reached = 0
-        if self.store.exists(TRAIN_METRICS):
-            reached = max(
-                (r.get("step", 0) for r in self.store.read_jsonl(TRAIN_METRICS)), default=0
-            )
+        if self.store.exists(TRAIN_METRICS):  # rows are appended in step order: the last is
+            last = self.store.last_jsonl_row(TRAIN_METRICS)  # the furthest (read from the end)
+            reached = int(last.get("step", 0)) if last else 0
         if self.store.exists(EVENTS):
             for e in self.store.read_jsonl(EVENTS):
                 for key in ("step", "last_step"):

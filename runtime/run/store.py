@@ -36,6 +36,7 @@ from jobspec.storage import (
     part_path,
     parts_dir,
     read_parted,
+    read_parted_tail,
     url_to_fs,
     with_retries,
 )
@@ -333,6 +334,19 @@ class ArtifactStore:
         if torn:
             self._warn_torn(rel, repaired=False)
         return rows
+
+    def last_jsonl_row(self, rel: str) -> dict | None:
+        """The last whole row of a JSONL file, reading only its end (None if it has none)."""
+        self._fresh()
+        data = self._read(self._path(rel), rel, lambda p: read_parted_tail(self.fs, p, 64 * 1024))
+        for line in reversed(data.splitlines()):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a torn last line, or the cut first line of the tail
+            if isinstance(row, dict):
+                return row
+        return None
 
     # ---- start-up check ----------------------------------------------------------------------
 

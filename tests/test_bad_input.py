@@ -243,4 +243,5 @@ def test_schema_lists_every_section():
     schema = json.loads(res.stdout)
     assert set(schema["properties"]) == {
         "run", "model", "optimizer", "data", "training", "mesh", "evals", "checkpoint", "artifacts", "runtime",
+        "metrics", "profile",
     }  # fmt: skip

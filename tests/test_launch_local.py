@@ -240,6 +240,11 @@ def test_killed_host_restarts_group_and_resumes(tmp_path, prepared, state):
     assert "JAXJOB_ATTEMPT=1" in second and "attempt 1," in second  # ours, then the runtime's
     sup = supervisor_state(state, run_id)
     assert sup["attempts"][0]["returncodes"][1] == -signal.SIGKILL
+    # Goodput over both attempts: the crash's unrecorded end and the restart are lost time.
+    g = json.loads((Path(run_uri) / "summaries/final.json").read_text())["goodput"]
+    assert len(g["attempts"]) == 2 and g["seconds"]["lost"] > 0
+    assert sum(g["seconds"].values()) == pytest.approx(g["wall_s"])
+    assert g["attempts"][1]["first_step"] == resumed["step"] + 1
 
 
 @pytest.mark.slow

@@ -156,8 +156,9 @@ class RunArtifacts:
         self.store.write_host_json("runtime.json", {"time": now(), **diagnostics})
         if not self.writer:
             return
-        # Steps an earlier attempt reached past this start are recomputed, not progress.
-        self.ledger.redo_until = max(start_step, self._reached_before())
+        # Steps an earlier attempt reached past this start are recomputed, not progress: the
+        # furthest row it logged (read before the cut below) or step it recorded in an event.
+        logged = self._last_logged_step()
         # Rows past the starting step are recomputed by this attempt (all of them for a fresh
         # start over a failed attempt that left no checkpoint); drop the stale copies.
         for rel in (TRAIN_METRICS, EVAL_METRICS):
@@ -174,22 +175,23 @@ class RunArtifacts:
             **run_manifest(self.cfg, self.store.uri(""), status="running", version=version)
         )
         self.event("resume" if resume else "start", step=start_step, total_steps=total_steps)
+        # After that append, which repairs a torn last line (and says so once).
+        self.ledger.redo_until = max(start_step, logged, self._recorded_step())
 
-    def _reached_before(self) -> int:
-        """The furthest step earlier attempts logged or recorded (0 for a fresh run)."""
+    def _last_logged_step(self) -> int:
+        """The last step in train.jsonl (rows are appended in step order; read from the end)."""
+        last = (
+            self.store.last_jsonl_row(TRAIN_METRICS) if self.store.exists(TRAIN_METRICS) else None
+        )
+        return int(last.get("step", 0)) if last else 0
+
+    def _recorded_step(self) -> int:
+        """The furthest step earlier attempts' events recorded (0 for a fresh run)."""
         reached = 0
-        if self.store.exists(TRAIN_METRICS):  # rows are appended in step order: the last is
-            last = self.store.last_jsonl_row(TRAIN_METRICS)  # the furthest (read from the end)
-            reached = int(last.get("step", 0)) if last else 0
-        if self.store.exists(EVENTS):
-            for e in self.store.read_jsonl(EVENTS):
+        for e in self.store.read_jsonl(EVENTS):
+            if e.get("event") in ("ledger", "interrupted", "failure", "finish"):
                 for key in ("step", "last_step"):
-                    if isinstance(e.get(key), int) and e.get("event") in (
-                        "ledger",
-                        "interrupted",
-                        "failure",
-                        "finish",
-                    ):
+                    if isinstance(e.get(key), int):
                         reached = max(reached, e[key])
         return reached
 

@@ -180,3 +180,17 @@ def orbax_gs_run_uri(gcs_emulator: GcsEmulator, gs_run_uri: str) -> str:
 
 # Fixtures of the training suites (tiny corpus, prepared manifest) live in tests/runs.py.
 pytest_plugins = ("runs", "slurm_cluster")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's `--dist loadgroup` (pyproject's addopts run the suite on 2
+    workers): a file's tests stay on one worker, so its module fixtures (a trained run, a
+    launched job) run once; and every file that uses the SLURM cluster shares one worker, so
+    only one worker ever starts or stops the dev cluster and its jobs never queue behind another
+    worker's."""
+    slurm_files = {
+        item.nodeid.split("::")[0] for item in items if "slurm_cluster" in item.fixturenames
+    }
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("slurm" if path in slurm_files else path))

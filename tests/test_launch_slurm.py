@@ -82,9 +82,11 @@ def test_submit_status_logs_on_slurm(tmp_path, prepared, slurm_cluster, submitte
     run_id = submitted(sub.stdout)
     info = wait_state(state, run_id, {"succeeded", "failed", "cancelled"})
     assert info["state"] == "succeeded", info
-    logs = launch(state, "logs", run_id)
+    logs = launch(state, "logs", run_id, "--all-hosts")
     assert logs.returncode == 0, logs.stderr
     assert "[host 0] step: 6 " in logs.stdout and "[host 1] step: 6 " in logs.stdout
+    quiet = launch(state, "logs", run_id).stdout  # the default view: host 0's lines
+    assert "[host 0] step: 6 " in quiet and "[host 1] step: " not in quiet
     final = json.loads((tmp_path / "runs" / run_id / "summaries/final.json").read_text())
     assert final["status"] == "completed" and final["steps"] == 6
     listed = json.loads(launch(state, "list", "--json").stdout)

@@ -18,7 +18,8 @@ STEPS = 6
 # What may differ between a 1-process and an N-process run of the same job: timings, the
 # host count, and the output root (each layout writes under its own folder).
 VARIES = {"time", "step_time", "tokens_per_s", "elapsed", "wall_time_s", "created", "updated",
-          "seconds_since_start", "tokens_per_s_median", "output_uri", "topology.process_count"}  # fmt: skip
+          "seconds_since_start", "tokens_per_s_median", "output_uri", "topology.process_count",
+          "eta_s", "goodput"}  # fmt: skip
 
 
 def _config(
@@ -80,8 +81,8 @@ def _normalised(path: Path):
             return [strip(v) for v in x]
         return x
 
-    if path.suffix == ".jsonl":
-        return [strip(r) for r in read_jsonl(path)]
+    if path.suffix == ".jsonl":  # time-ledger snapshots are timing, like the fields above
+        return [strip(r) for r in read_jsonl(path) if r.get("event") != "ledger"]
     return strip(json.loads(path.read_text()))
 
 

@@ -182,15 +182,26 @@ def orbax_gs_run_uri(gcs_emulator: GcsEmulator, gs_run_uri: str) -> str:
 pytest_plugins = ("runs", "slurm_cluster")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist's `--dist loadgroup` (pyproject's addopts run the suite on 2
     workers): a file's tests stay on one worker, so its module fixtures (a trained run, a
     launched job) run once; and every file that uses the SLURM cluster shares one worker, so
     only one worker ever starts or stops the dev cluster and its jobs never queue behind another
-    worker's."""
+    worker's. Without xdist the markers do nothing, and the order only moves whole files."""
     slurm_files = {
         item.nodeid.split("::")[0] for item in items if "slurm_cluster" in item.fixturenames
     }
+    groups: dict[str, str] = {}
     for item in items:
         path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("slurm" if path in slurm_files else path))
+        groups[item.nodeid] = group = "slurm" if path in slurm_files else path
+        item.add_marker(pytest.mark.xdist_group(group))
+    # Groups with the most slow tests first (a stable sort keeps each group's own order), so the
+    # last group a worker takes is a short one rather than a long one started near the end.
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[groups[item.nodeid]] = slow.get(groups[item.nodeid], 0) + bool(
+            item.get_closest_marker("slow")
+        )
+    items.sort(key=lambda item: -slow[groups[item.nodeid]])

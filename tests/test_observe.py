@@ -153,8 +153,9 @@ def test_wandb_offline_run_holds_the_scalars(two_attempts):
                 }
                 if "train/loss" in item:
                     logged[int(item["step"])] = item["train/loss"]
-            elif kind == "config":
-                config_seen |= any(u.key == "model" for u in rec.config.update)
+            elif kind in ("run", "config"):  # the run record carries the initial config
+                config = rec.run.config if kind == "run" else rec.config
+                config_seen |= any(u.key == "model" for u in config.update)
     rows = read_jsonl(run / "metrics/train.jsonl")
     assert logged == pytest.approx({r["step"]: r["loss"] for r in rows})
     assert config_seen  # the resolved config went with it

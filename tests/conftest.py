@@ -182,6 +182,17 @@ def orbax_gs_run_uri(gcs_emulator: GcsEmulator, gs_run_uri: str) -> str:
 pytest_plugins = ("runs", "slurm_cluster")
 
 
+# Seconds per group in a 2-worker run on 2 cores (test_multihost ~600, test_expert_parallel ~450,
+# the SLURM files ~440, then ~300 each): the order the groups start in.
+LONGEST_GROUPS = (
+    "tests/test_multihost.py", "tests/test_expert_parallel.py", "slurm",
+    "tests/test_launch_local.py", "tests/test_scan.py", "tests/test_train.py",
+    "tests/faults/test_storage_faults.py", "tests/test_rollouts.py",
+    "tests/faults/test_run_owner.py", "tests/faults/test_frozen_host.py", "tests/test_observe.py",
+    "tests/test_gemma4.py", "tests/faults/test_corrupt_checkpoint.py", "tests/test_qwen3_next.py",
+)  # fmt: skip
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist's `--dist loadgroup` (pyproject's addopts run the suite on 2
@@ -197,11 +208,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = item.nodeid.split("::")[0]
         groups[item.nodeid] = group = "slurm" if path in slurm_files else path
         item.add_marker(pytest.mark.xdist_group(group))
-    # Groups with the most slow tests first (a stable sort keeps each group's own order), so the
-    # last group a worker takes is a short one rather than a long one started near the end.
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[groups[item.nodeid]] = slow.get(groups[item.nodeid], 0) + bool(
-            item.get_closest_marker("slow")
-        )
-    items.sort(key=lambda item: -slow[groups[item.nodeid]])
+    # The longest groups first (a stable sort keeps each group's own order), so the last group a
+    # worker takes is a short one rather than a long one started near the end.
+    first = {g: k for k, g in enumerate(LONGEST_GROUPS)}
+    items.sort(key=lambda item: first.get(groups[item.nodeid], len(first)))

@@ -64,6 +64,7 @@ def two_attempts(tmp_path_factory, prepared) -> dict:
         "run": run, "rc1": proc.returncode, "out1": out1, "err1": err1, "stopped": stopped,
         "events1": events1, "index1": index, "manifest1": manifest1, "res2": res,
         "t0": t0, "t1": t1, "gap": second_start - first_exit,
+        "starts": (t0, second_start), "exits": (first_exit, t1),
     }  # fmt: skip
 
 
@@ -186,8 +187,19 @@ def test_goodput_accounts_for_all_wall_time(two_attempts):
     g = final["goodput"]
     assert len(g["attempts"]) == 2
     assert sum(g["seconds"].values()) == pytest.approx(g["wall_s"])
-    # Everything from the first process start to the last exit, within 2%.
-    assert g["wall_s"] == pytest.approx(a["t1"] - a["t0"], rel=0.02)
+    # Every second from the first process start to the last record is in a bucket...
+    ledgers = {e["process_start"]: e for e in read_jsonl(a["run"] / "events.jsonl")
+               if e["event"] == "ledger"}  # fmt: skip
+    (start1, last1), (start2, last2) = sorted(
+        (start, e["recorded_at"]) for start, e in ledgers.items()
+    )
+    assert g["wall_s"] == pytest.approx(last2 - start1, abs=0.01)  # recorded to the ms
+    # ... each process start is when the test started it (/proc's boot time is whole seconds),
+    # and each attempt's last record is at its end: only the interpreter's teardown follows.
+    for start, last, began, ended in zip((start1, start2), (last1, last2), a["starts"],
+                                         a["exits"], strict=True):  # fmt: skip
+        assert began - 1.0 <= start <= began + 1.0
+        assert 0 <= ended - last < 5.0
     s = g["seconds"]
     assert s["lost"] >= a["gap"]  # the restart's lost time is shown
     assert s["productive"] > 0 and s["compile"] > 0 and s["startup"] > 0 and s["eval"] > 0

@@ -50,12 +50,10 @@ def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]
         key = f"{prefix}{field.alias or name}"
         sub = _submodel(field.annotation)
         if sub is not None and sub is not model:
-            rows.extend(
-                _rows(
-                    sub,
-                    f"{key}." if typing.get_origin(field.annotation) is not list else f"{key}[].",
-                )
-            )
+            # A list of tables, optional or not (`[[evals]]`, `[[data.sources]]`): key[].field.
+            ann = field.annotation
+            listed = any(typing.get_origin(a) is list for a in (ann, *typing.get_args(ann)))
+            rows.extend(_rows(sub, f"{key}[]." if listed else f"{key}."))
             continue
         if field.is_required():
             default = "required"

@@ -1,7 +1,8 @@
 """JobSpec: the `job.yaml` a user submits to any backend (local, slurm, k8s).
 
 Only this module and jobspec/load_job.py parse YAML. The run config it names is a RunConfig
-(cfg.toml), given as a path relative to the job.yaml or inline. Nothing here imports jax.
+(cfg.toml), given as a path relative to the job.yaml or inline; a job with `prepare:` instead of
+`run:` prepares a dataset on all of its hosts (jobspec/prepare_job.py). Nothing here imports jax.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from jobspec.catalogue import Accelerator, lookup
 from jobspec.errors import ConfigError
 from jobspec.names import check_k8s_names
+from jobspec.prepare_job import PrepareSection
 from jobspec.run_config import RunConfig, check_dns_label
 from jobspec.secrets import find_secrets, refusal, secret_env_name
 
@@ -113,7 +115,12 @@ class JobSpec(Spec):
     name: str = Field(description="DNS-1123 label; the run id is the name plus a unique suffix.")
     run_id: str | None = Field(None, description="Fixed run id (resubmitting resumes that run).")
     image: str | None = Field(None, description="Container image (required by the k8s backend).")
-    run: str | dict = Field(description="Run config: a TOML path relative to this file, or inline.")
+    run: str | dict | None = Field(
+        None, description="Run config: a TOML path relative to this file, or inline."
+    )
+    prepare: PrepareSection | None = Field(
+        None, description="Instead of run: prepare a dataset, every host a share of its parts."
+    )
     accelerator: str = Field("cpu", description="Catalogue name, e.g. cpu, tpu-v5e-16, h100-80gb.")
     hosts: Annotated[int, Field(gt=0)] | None = Field(
         None, description="Hosts per slice (TPU: fixed by the slice; GPU: nodes; cpu: processes)."
@@ -152,6 +159,20 @@ class JobSpec(Spec):
                     f"{name}: {{secret: SECRET_NAME, key: KEY}}"
                 )
         return v
+
+    @model_validator(mode="after")
+    def _run_or_prepare(self) -> JobSpec:
+        if self.run is None and self.prepare is None:
+            raise ValueError(
+                "run: required key is missing; give the run config to train, or a prepare: "
+                "section instead to prepare a dataset on the job's hosts"
+            )
+        if self.run is not None and self.prepare is not None:
+            raise ValueError(
+                "run and prepare: a job either trains (run) or prepares a dataset (prepare), not "
+                "both; keep one and submit the other as a job of its own"
+            )
+        return self
 
     @model_validator(mode="after")
     def _no_literal_secrets(self) -> JobSpec:

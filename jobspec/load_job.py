@@ -1,4 +1,5 @@
-"""Loading job.yaml: safe YAML only, field-path errors, and the run config it names."""
+"""Loading job.yaml: safe YAML only, field-path errors, and the run config it names (or, for a
+`prepare:` job, the prepare config its hosts read)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from jobspec.load import (
     read_toml,
     resolve_includes,
 )
+from jobspec.prepare_job import PrepareJobConfig, parse_prepare_config, prepare_toml
 from jobspec.run_config import RunConfig
 from jobspec.secrets import find_secrets, refusal
 
@@ -27,11 +29,19 @@ from jobspec.secrets import find_secrets, refusal
 @dataclass(frozen=True)
 class LoadedJob:
     spec: JobSpec
-    run: RunConfig  # with the spec's output_uri and run.id = run_id applied
-    run_toml: str  # the run config as the hosts will read it (cfg.toml): includes merged in
+    run: RunConfig | None  # with the spec's output_uri and run.id = run_id applied; None: prepare
+    run_toml: str  # the config as the hosts will read it (cfg.toml): includes merged in
     spec_yaml: str  # the validated spec re-serialised (no comments): what backends embed
     path: Path
     run_id: str  # the run id every host will use
+    prepare: PrepareJobConfig | None = None  # a `prepare:` job's host config (paths absolute)
+
+    @property
+    def output_uri(self) -> str:
+        """run.output_uri of the hosts' config: where `<run_id>/` with the run's records goes."""
+        cfg = self.run if self.run is not None else self.prepare
+        assert cfg is not None
+        return cfg.run.output_uri
 
 
 # A job spec is a page of YAML; these bounds keep a hostile or broken file from taking minutes
@@ -135,13 +145,21 @@ def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = Non
     """The job spec at `path` and its run config, validated once with the run id the hosts use:
     the spec's run_id, else `new_run_id(spec)` (a fresh one), else the job's name (to check a
     job without submitting it). A run config need not carry a run.id of its own. Its `include`
-    files are merged in here, so `run_toml` is self-contained: hosts never see a relative path."""
+    files are merged in here, so `run_toml` is self-contained: hosts never see a relative path.
+    A `prepare:` job has no run config: `prepare` is its hosts' config and `run_toml` that."""
     p = Path(path)
     text_data = _read_yaml(p)
     try:
         spec = JobSpec.model_validate(text_data)
     except ValidationError as e:
         raise ConfigError(describe_validation_error(e, JobSpec, str(p))) from None
+    run_id = spec.run_id or (new_run_id(spec) if new_run_id is not None else spec.name)
+    if spec.prepare is not None:
+        # Relative paths are the job.yaml's, like a run config's path; the hosts get them whole.
+        section = spec.prepare.resolved(p.parent)
+        raw = prepare_toml(section, run_id, spec.output_uri)
+        prepare = parse_prepare_config(raw, f"{p}: prepare")
+        return LoadedJob(spec, None, tomli_w.dumps(raw), spec_yaml(spec), p, run_id, prepare)
     if isinstance(spec.run, str):
         run_path = (p.parent / spec.run) if not Path(spec.run).is_absolute() else Path(spec.run)
         if not run_path.is_file():
@@ -153,7 +171,6 @@ def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = Non
         raw, _ = resolve_includes(dict(spec.run), p.parent, source)  # relative to the job spec
     if spec.output_uri is not None:
         raw = merge(raw, {"run": {"output_uri": spec.output_uri}})
-    run_id = spec.run_id or (new_run_id(spec) if new_run_id is not None else spec.name)
     raw = merge(raw, {"run": {"id": run_id}})
     for where, what in find_secrets(raw):  # cfg.toml goes verbatim to every backend's hosts
         raise ConfigError(f"{source}: {refusal(where, what)}")
@@ -161,9 +178,11 @@ def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = Non
     return LoadedJob(spec, run, tomli_w.dumps(raw), spec_yaml(spec), p, run_id)
 
 
-def run_with_id(job: LoadedJob, run_id: str) -> tuple[RunConfig, str]:
-    """The run config (and its TOML) with another run id than the one `job` was loaded with."""
+def run_with_id(job: LoadedJob, run_id: str) -> tuple[RunConfig | PrepareJobConfig, str]:
+    """The hosts' config (and its TOML) with another run id than the one `job` was loaded with."""
     raw = merge(tomllib.loads(job.run_toml), {"run": {"id": run_id}})
+    if job.prepare is not None:
+        return parse_prepare_config(raw, "prepare config"), tomli_w.dumps(raw)
     return parse_run_config(raw, "run config"), tomli_w.dumps(raw)
 
 

@@ -7,9 +7,10 @@ unknown keys are errors. Nothing here imports jax.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from pathlib import PurePosixPath
+from typing import Annotated, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -546,7 +547,16 @@ class PrepareConfig(Section):
 
     inputs: list[str] = Field(
         min_length=1,
-        description="Globs of text/JSONL files; '{stdlib}' expands to this Python's standard-library folder.",
+        description=(
+            "Globs (local or gs://) of *.parquet, *.jsonl[.gz|.zst] or text files (any other file is "
+            "one document); '{stdlib}' expands to this Python's standard-library folder."
+        ),
+    )
+    text_field: str = Field(
+        "text", min_length=1, description="The JSONL key or parquet column holding the text."
+    )
+    workers: PositiveInt | None = Field(
+        None, description="Processes tokenizing at once on the writer host (default: its cores)."
     )
     format: Literal["text", "rollouts"] = Field(
         "text",
@@ -555,7 +565,7 @@ class PrepareConfig(Section):
             "JSONL rollouts (prompt, completion, advantages, old_logprobs), one per row."
         ),
     )
-    tokenizer: str = Field("byte", description="'byte' or a path to a local tokenizer.json.")
+    tokenizer: str = Field("byte", description="'byte' or a path or URI of a tokenizer.json.")
     val_fraction: Annotated[float, Field(ge=0, lt=1)] = Field(
         0.05, description="Share of documents held out as the validation split."
     )
@@ -564,8 +574,59 @@ class PrepareConfig(Section):
     )
 
 
+# Samples per mixture block: each block of a [[data.sources]] mixture holds every source's share of
+# it exactly (README "Mixtures"), so a source needs at least 1/MIXTURE_BLOCK of the total weight.
+MIXTURE_BLOCK = 4096
+
+
+def default_source_name(manifest: str) -> str:
+    """A source's default name: the folder its manifest.json is in ("data/web/manifest.json": web)."""
+    return PurePosixPath(manifest.rstrip("/")).parent.name
+
+
+class SourceConfig(Section):
+    """One prepared-token manifest of a `[[data.sources]]` mixture."""
+
+    manifest: str = Field(
+        description=(
+            "A mixture source (instead of data.manifest): path or URI of its prepared-token "
+            "manifest.json; every source has the same tokenizer and the text (stream) layout."
+        )
+    )
+    weight: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        description=(
+            "Relative share of the rows drawn from the source; the weights are normalised, so "
+            f"they need not sum to 1 (each source needs at least 1/{MIXTURE_BLOCK} of the total)."
+        )
+    )
+    name: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "The source's label in train rows (tokens_per_source) and errors; default: the "
+            "manifest's folder name. Unique within the mixture."
+        ),
+    )
+
+
+class DataSource(NamedTuple):
+    """One dataset a run reads: its name, manifest, and normalised share of the rows."""
+
+    name: str
+    manifest: str
+    share: float
+
+
 class DataConfig(Section):
-    manifest: str = Field(description="Path or URI of a prepared-token manifest.json.")
+    manifest: str | None = Field(
+        None,
+        description="Path or URI of a prepared-token manifest.json (or give [[data.sources]] instead).",
+    )
+    sources: list[SourceConfig] | None = Field(
+        None,
+        min_length=1,
+        description='A weighted mixture of several manifests instead of data.manifest (README "Mixtures").',
+    )
     tokenizer: str | None = Field(
         None,
         description="Expected tokenizer id ('byte' or tokenizer.json path); must match the manifest's.",
@@ -583,6 +644,64 @@ class DataConfig(Section):
     prepare: PrepareConfig | None = Field(
         None, description="Make the manifest on first use if absent."
     )
+
+    @field_validator("sources")
+    @classmethod
+    def _name_sources(cls, sources: list[SourceConfig] | None) -> list[SourceConfig] | None:
+        """Fill each unnamed source's name, so the resolved config and checkpoints record it."""
+        if sources is None:
+            return None
+        out = []
+        for i, s in enumerate(sources):
+            name = s.name or default_source_name(s.manifest)
+            if not name:
+                raise ValueError(
+                    f"data.sources[{i}] has no name and its manifest {s.manifest!r} is not inside a "
+                    f"folder to name it after; set data.sources[{i}].name"
+                )
+            out.append(s if s.name else s.model_copy(update={"name": name}))
+        return out
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> DataConfig:
+        if (self.manifest is None) == (self.sources is None):
+            given = "both" if self.sources is not None else "neither"
+            raise ValueError(
+                "set exactly one of data.manifest (one prepared dataset) and [[data.sources]] (a "
+                f"weighted mixture of several); this config sets {given}"
+            )
+        if self.sources is None:
+            return self
+        if self.prepare is not None:
+            raise ValueError(
+                "data.prepare makes one manifest and does not combine with [[data.sources]]; "
+                "prepare each source with `runtime data prepare` and point its manifest at the result"
+            )
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"data.sources names must be unique, got {names} (a name defaults to the folder of "
+                "its manifest); set distinct data.sources[].name values"
+            )
+        total = sum(s.weight for s in self.sources)
+        for i, s in enumerate(self.sources):
+            if s.weight / total * MIXTURE_BLOCK < 1:
+                raise ValueError(
+                    f"data.sources[{i}].weight ({s.weight:g}) is {s.weight / total:.3g} of the total, "
+                    f"below 1/{MIXTURE_BLOCK}, the smallest share a mixture draws; raise it or "
+                    "remove the source"
+                )
+        return self
+
+    @property
+    def datasets(self) -> list[DataSource]:
+        """Every dataset the run reads: the sources with their weights normalised, or the one
+        manifest (share 1), named like a source would be."""
+        if self.sources is None:
+            manifest = self.manifest or ""
+            return [DataSource(default_source_name(manifest), manifest, 1.0)]
+        total = sum(s.weight for s in self.sources)
+        return [DataSource(s.name or "", s.manifest, s.weight / total) for s in self.sources]
 
 
 class TrainingConfig(Section):

@@ -23,6 +23,7 @@ from jobspec.errors import ConfigError, JaxjobError
 from jobspec.goodput import duration, goodput_line
 from jobspec.job_spec import JobSpec, check_mesh_fits
 from jobspec.load_job import job_schema, load_job
+from jobspec.prepare_job import check_prepare_backend
 from jobspec.run_config import check_dns_label
 from jobspec.storage import is_remote
 from launch.backend import TERMINAL, Backend, Submission
@@ -87,10 +88,14 @@ def prepare_submission(job_path: str, backend: str, registry: Registry) -> Submi
     job = load_job(job_path, fresh_id)
     spec, run, run_id, run_toml = job.spec, job.run, job.run_id, job.run_toml
     try:
-        check_mesh_fits(spec, run, backend)  # type: ignore[arg-type]
+        if run is not None:
+            check_mesh_fits(spec, run, backend)  # type: ignore[arg-type]
+        else:  # a prepare job uses no devices: only where its hosts can read and write
+            assert spec.prepare is not None
+            check_prepare_backend(spec.prepare, backend)
     except ConfigError as e:  # the sentence names the field; add the file it is in
         raise ConfigError(f"{job.path}: {e}") from None
-    output_uri = run.run.output_uri
+    output_uri = job.output_uri
     # A relative path means "here" for processes on this machine or a shared filesystem
     # (local, slurm); inside a k8s container it is the container's own, so it stays as written.
     if not is_remote(output_uri) and backend != "k8s":

@@ -7,6 +7,7 @@ command's (0 fits, 1 does not fit, 2 bad input).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,7 +36,15 @@ def plan_command(job_path: str, as_json: bool) -> tuple[list[str], dict[str, str
 
 
 def run_plan(job_path: str, as_json: bool) -> int:
-    """Run `runtime plan` for the job; its output goes straight to this process's own."""
+    """Run `runtime plan` for the job; its output goes straight to this process's own. A
+    prepare job trains nothing: one sentence says so (exit 0)."""
+    if load_job(job_path).prepare is not None:
+        note = (
+            f"{job_path} is a prepare job: it tokenizes data and trains no model, so there is "
+            "no train step to compile (launch submit runs it)"
+        )
+        print(json.dumps({"job": job_path, "kind": "prepare", "note": note}) if as_json else note)
+        return 0
     argv, env, run_toml = plan_command(job_path, as_json)
     with tempfile.TemporaryDirectory(prefix="jaxjob-plan-") as tmp:
         cfg = Path(tmp) / "cfg.toml"

@@ -49,6 +49,21 @@ def eta_seconds(rows: list[dict[str, Any]], total_steps: int | None) -> float | 
     return max(0, total_steps - rows[-1].get("step", 0)) * times[len(times) // 2]
 
 
+def prepare_note(m: dict[str, Any]) -> str:
+    """A prepare job's state in one line, from the manifest.json its host 0 keeps."""
+    status, hosts = m.get("status"), m.get("hosts")
+    if status == "completed":
+        return (
+            f"prepared {m.get('dataset_manifest')} (fingerprint {m.get('fingerprint')}, "
+            f"{m.get('total_tokens')} tokens in {m.get('total_documents')} documents; "
+            f"{m.get('parts')} parts: {m.get('written')} written by this attempt, "
+            f"{m.get('skipped')} already committed)"
+        )
+    if status == "running":
+        return f"preparing {m.get('out')} on {hosts} host(s), attempt {m.get('attempt')}"
+    return f"prepare {status}: {m.get('error') or 'see launch logs'}"
+
+
 def read_progress(run_uri: str) -> dict[str, Any]:
     """{"status", "step", "total_steps", "last_loss", "last_event", "goodput", "eta_s"};
     {"error": …} when unreadable. The ETA is given while the run says it is running."""
@@ -64,6 +79,10 @@ def read_progress(run_uri: str) -> dict[str, Any]:
                     "note": "no artifacts yet"}  # fmt: skip
         with fs.open(manifest_path, "rb") as f:
             manifest = json.loads(f.read())
+        if manifest.get("kind") == "prepare":  # a prepare job has no steps: say where it stands
+            return {"status": manifest.get("status"), "step": 0, "total_steps": None,
+                    "last_loss": None, "last_event": None, "goodput": None, "eta_s": None,
+                    "note": prepare_note(manifest)}  # fmt: skip
         rows = _tail_rows(fs, join(root, "metrics/train.jsonl"))
         events = _all_rows(fs, join(root, "events.jsonl"))
     except (JaxjobError, OSError, ValueError) as e:

@@ -176,7 +176,14 @@ def test_reprepare_replaces_old_files(tmp_path):
     prepare_dataset([str(src / "a.txt")], "byte", str(out), val_fraction=0, shard_tokens=64)
     top = sorted(p.name for p in out.iterdir())
     assert len(top) == 2 and top[0] == "manifest.json" and top[1].startswith("shards-"), top
+    # The merged offsets, and the one part's own files (the 8-token shards of the first are gone).
     assert sorted(p.name for p in (out / top[1]).iterdir()) == [
+        "part-00000",
+        "train-offsets.bin",
+        "validation-offsets.bin",
+    ]
+    assert sorted(p.name for p in (out / top[1] / "part-00000").iterdir()) == [
+        "part.json",
         "train-00000.bin",
         "train-offsets.bin",
         "validation-offsets.bin",
@@ -247,16 +254,17 @@ def test_manifest_errors(tmp_path):
     with pytest.raises(DataError, match="fingerprint .* does not match"):
         load_manifest(str(man))
     man.write_text(good)
-    shard = next(ds.glob("shards-*")) / "train-00001.bin"
+    shard = next(ds.glob("shards-*")) / "part-00000" / "train-00001.bin"
     data = shard.read_bytes()
     shard.write_bytes(data[:-2])
     with pytest.raises(
-        DataError, match=r"shard shards-\S+/train-00001.bin is 18 bytes but the manifest records 20"
+        DataError,
+        match=r"shard shards-\S+/part-00000/train-00001.bin is 18 bytes but the manifest records 20",
     ):
         load_manifest(str(man))
     shard.write_bytes(data[::-1])  # same size, other bytes: only the deep check sees it
     assert check_manifest(str(man), deep=False)["ok"]
-    with pytest.raises(DataError, match=r"shard shards-\S+/train-00001.bin has sha256"):
+    with pytest.raises(DataError, match=r"shard shards-\S+/part-00000/train-00001.bin has sha256"):
         check_manifest(str(man), deep=True)
     shard.unlink()
     with pytest.raises(

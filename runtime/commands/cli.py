@@ -159,10 +159,19 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
     committed checkpoint when the run has one. Exit codes: 0 done, 2 bad config or input,
     42 stopped by SIGTERM/SIGINT (after a checkpoint, or during start-up: restart it), 43 a peer
     host was lost, 44 the cluster did not form, 45 a storage fault (restart it).
+
+    A prepare job's config (a top-level [prepare] table) writes this host's share of the
+    dataset instead, and host 0 its manifest (README "Preparing on many hosts").
     """
     from runtime.host import boot, startup, writer
 
     startup.install()  # a SIGTERM before the first step is restartable (42), not 143
+    from jobspec.prepare_job import is_prepare_config
+
+    if is_prepare_config(config):  # a job.yaml with `prepare:`: each host tokenizes its share
+        from runtime.commands.prepare_job import run_host
+
+        sys.exit(run_host(config, _overrides(sets)))
     contract = boot.BootContract.from_env()
     identity = []
     if contract.run_id:
@@ -267,21 +276,72 @@ def data_group() -> None:
     """Prepare and check token manifests."""
 
 
+def _size(value: str | None) -> int | None:
+    """'128M', '64K', '1G' or a byte count (read as job.yaml's prepare.part_size is)."""
+    from jobspec.prepare_job import size_bytes
+
+    if value is None:
+        return None
+    try:
+        return size_bytes(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a size; use e.g. 64M, 512K or 1G") from None
+
+
+def _share(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not I/N; give this host's share as e.g. 3/8 (0 <= I < N)"
+        ) from None
+    if not (n >= 1 and 0 <= i < n):
+        raise click.BadParameter(f"share {value} does not exist; use I/N with 0 <= I < N")
+    return i, n
+
+
 @data_group.command("prepare")
 @click.option(
     "--input",
     "inputs",
     multiple=True,
     required=True,
-    help="File or glob ('{stdlib}' = Python's stdlib); repeatable.",
+    help="File or glob, local or gs:// ('{stdlib}' = Python's stdlib); repeatable. "
+    "*.parquet, *.jsonl[.gz|.zst], or any other file as one document.",
 )
 @click.option(
-    "--tokenizer", default="byte", show_default=True, help="'byte' or a path to tokenizer.json."
+    "--tokenizer", default="byte", show_default=True, help="'byte' or a path/URI of tokenizer.json."
 )
 @click.option("--out", required=True, help="Output directory (local or gs://).")
+@click.option(
+    "--text-field",
+    default="text",
+    show_default=True,
+    help="The JSONL key or parquet column holding each document's text.",
+)
 @click.option("--val-fraction", default=0.05, show_default=True, type=float)
 @click.option(
     "--max-bytes", default=None, type=int, help="Stop reading inputs after this many bytes."
+)
+@click.option(
+    "--workers",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Processes tokenizing parts at once. [default: the cores]",
+)
+@click.option(
+    "--shard",
+    "share",
+    default=None,
+    help="I/N: write only this host's share of the parts (then `runtime data merge OUT`).",
+)
+@click.option(
+    "--part-size",
+    default="128M",
+    show_default=True,
+    help="Input bytes per part, the unit of parallel work (part of the dataset's identity).",
 )
 @click.option(
     "--format",
@@ -297,34 +357,91 @@ def data_group() -> None:
     help="Progress bar on stderr (bytes, documents, tokens/s, ETA). [default: on a terminal]",
 )
 @click.option("--json", "as_json", is_flag=True)
-def data_prepare(inputs, tokenizer, out, val_fraction, max_bytes, fmt, progress, as_json) -> None:
-    """Tokenize text/JSONL files (or rollout JSONL) into token shards and a manifest.json.
+def data_prepare(
+    inputs, tokenizer, out, text_field, val_fraction, max_bytes, workers, share, part_size, fmt,
+    progress, as_json,
+) -> None:  # fmt: skip
+    """Tokenize text/JSONL/parquet files (or rollout JSONL) into token shards and a manifest.json.
+
+    The dataset is the same for any --workers and any number of --shard hosts. With --shard I/N
+    each host writes its share of the parts (a share run again skips what it finished), and
+    `runtime data merge OUT` writes the manifest once every share is done.
 
     Rollout lines: {"prompt_ids" | "prompt", "completion_ids" | "completion",
     "advantage" | "advantages", "old_logprobs"}; see the README's "RL rollouts".
     """
-    from runtime.data.prepare import prepare_dataset
+    from runtime.data.prepare import prepare_dataset, prepare_share
 
-    m = prepare_dataset(
-        list(inputs),
-        tokenizer,
-        out,
-        val_fraction=val_fraction,
-        max_bytes=max_bytes,
-        format=fmt,
-        progress=progress,
-    )
-    summary = json.loads(m.model_dump_json())
+    common = dict(
+        val_fraction=val_fraction, format=fmt, progress=progress, text_field=text_field,
+        workers=workers, part_bytes=_size(part_size),
+    )  # fmt: skip
+    which = _share(share)
+    if which is not None:
+        if max_bytes is not None:
+            raise click.BadParameter(
+                "--max-bytes takes documents in input order until the budget is spent, which "
+                "one host cannot know for its share; prepare a sample on one host without --shard",
+                param_hint="--max-bytes",
+            )
+        rep = prepare_share(list(inputs), tokenizer, out, which, **common)
+        summary = {
+            "plan": rep.plan, "share": f"{which[0]}/{which[1]}", "parts": rep.parts,
+            "written": rep.written, "skipped": rep.skipped,
+        }  # fmt: skip
+        if as_json:
+            _print_json(summary)
+        else:
+            click.echo(
+                f"share {which[0]}/{which[1]} of plan {rep.plan}: wrote {len(rep.written)} of its "
+                f"parts, {len(rep.skipped)} were already done ({rep.parts} parts in all); when "
+                f"every share is done: runtime data merge {out}"
+            )
+        return
+    m = prepare_dataset(list(inputs), tokenizer, out, max_bytes=max_bytes, **common)
+    _report_manifest(m, out, as_json)
+
+
+def _report_manifest(m, out: str, as_json: bool) -> None:
     if as_json:
-        _print_json(summary)
-    else:
-        what = ""
-        if m.layout == "rollouts":
-            what = f", {m.total_documents} rollouts with {', '.join(m.field_names)}"
-        click.echo(
-            f"wrote {out.rstrip('/')}/manifest.json (tokenizer {m.tokenizer.id}, fingerprint "
-            f"{m.fingerprint}{what})"
-        )
+        _print_json(json.loads(m.model_dump_json()))
+        return
+    what = ""
+    if m.layout == "rollouts":
+        what = f", {m.total_documents} rollouts with {', '.join(m.field_names)}"
+    click.echo(
+        f"wrote {out.rstrip('/')}/manifest.json (tokenizer {m.tokenizer.id}, fingerprint "
+        f"{m.fingerprint}, {m.total_tokens} tokens in {m.total_documents} documents{what})"
+    )
+
+
+@data_group.command("tokenizer")
+@click.option("--input", "inputs", multiple=True, required=True, help="File or glob; repeatable.")
+@click.option("--vocab-size", default=8192, show_default=True, type=click.IntRange(min=257))
+@click.option("--out", required=True, help="Where to write tokenizer.json (local or gs://).")
+@click.option("--text-field", default="text", show_default=True)
+@click.option("--max-bytes", default=None, type=int, help="Train on at most this many bytes.")
+def data_tokenizer(inputs, vocab_size, out, text_field, max_bytes) -> None:
+    """Train a byte-level BPE tokenizer on the inputs and save its tokenizer.json.
+
+    Its end-of-document token is <|endoftext|>; pass the file to `data prepare --tokenizer`."""
+    from runtime.data.bpe import train_bpe_on
+
+    train_bpe_on(list(inputs), vocab_size, out, text_field=text_field, max_bytes=max_bytes)
+    click.echo(f"wrote {out} (byte-level BPE, vocab {vocab_size}, eos <|endoftext|>)")
+
+
+@data_group.command("merge")
+@click.argument("out")
+@click.option("--plan", default=None, help="The plan id to merge when OUT holds several.")
+@click.option("--json", "as_json", is_flag=True)
+def data_merge(out: str, plan: str | None, as_json: bool) -> None:
+    """Write OUT/manifest.json over the parts every `data prepare --shard I/N` host wrote.
+
+    Refused, naming the missing parts, until every share is complete."""
+    from runtime.data.prepare import merge_shares
+
+    _report_manifest(merge_shares(out, plan), out, as_json)
 
 
 @data_group.command("check")

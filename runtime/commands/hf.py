@@ -15,7 +15,8 @@ from jobspec.load import parse_run_config, read_toml, resolved_dict, to_toml
 from jobspec.run_config import RunConfig
 from runtime.commands.offline import restore_checkpoint
 from runtime.data.loader import train_batches
-from runtime.data.manifest import Manifest, load_manifest
+from runtime.data.manifest import Manifest
+from runtime.data.mixture import Mixture, open_data
 from runtime.hf.convert import model_config_from_hf, write_hf
 from runtime.hf.files import DEFAULT_MAX_SHARD_BYTES
 from runtime.model.build import build_model
@@ -141,14 +142,14 @@ def import_to_run(path: str, out_dir: str, *, config: str | None = None) -> dict
             "resumable": manifest is not None}  # fmt: skip
 
 
-def _manifest_if_any(cfg: RunConfig) -> Manifest | None:
+def _manifest_if_any(cfg: RunConfig) -> Manifest | Mixture | None:
     try:
-        return load_manifest(cfg.data.manifest) if cfg.data.manifest else None
+        return open_data(cfg.data) if cfg.data.manifest or cfg.data.sources else None
     except JaxjobError:  # no data yet: the import still serves eval-less sampling and export
         return None
 
 
-def _start_data_state(cfg: RunConfig, manifest: Manifest) -> dict[str, Any]:
+def _start_data_state(cfg: RunConfig, manifest: Manifest | Mixture) -> dict[str, Any]:
     batches = train_batches(manifest, cfg.data, cfg.training, cfg.run.seed)
     try:
         return batches.state_for(0)

@@ -15,6 +15,7 @@ from jobspec.errors import ConfigError, JaxjobError
 from jobspec.load import parse_run_config
 from jobspec.run_config import EvalConfig, RunConfig
 from runtime.data.manifest import load_manifest
+from runtime.data.mixture import open_data
 from runtime.data.tokenizer import load_tokenizer
 from runtime.model.build import ModelParts, build_model
 from runtime.model.generate import generate
@@ -59,13 +60,13 @@ def restore_checkpoint(run: str, selector: str) -> Restored:
 
 def eval_checkpoint(run: str, selector: str) -> dict[str, Any]:
     store, cfg, step, parts, mesh = restore_checkpoint(run, selector)
-    if not cfg.data.manifest:  # `runtime import hf` without --config records no data
+    if not cfg.data.manifest and not cfg.data.sources:  # `import hf` without --config: no data
         raise ConfigError(
             f"run {cfg.run.id!r} has no data manifest (it was imported from Hugging Face without "
             "--config), so there is nothing to evaluate on; import it again with --config cfg.toml "
             "naming data.manifest, or sample from it with `runtime sample checkpoint`"
         )
-    manifest = load_manifest(cfg.data.manifest)
+    manifest = open_data(cfg.data)  # a mixture's evals read every source (README "Mixtures")
     evaluator = Evaluator(cfg, manifest, parts, mesh)
     evals = cfg.evals or [EvalConfig(name="validation")]
     results = [evaluator.evaluate(parts.params, e.name, e.split, e.batches) for e in evals]
@@ -95,7 +96,8 @@ def sample_checkpoint(
     model = nnx.merge(parts.graphdef, parts.params, *parts.others)
     tokenizer = None
     try:
-        manifest = load_manifest(cfg.data.manifest)
+        # A mixture's sources share one tokenizer: the first says it.
+        manifest = load_manifest(cfg.data.datasets[0].manifest)
         eos = manifest.tokenizer.eos_id
         tokenizer = load_tokenizer(manifest.tokenizer.source or manifest.tokenizer.id)
     except JaxjobError:  # sampling works without the data; only the text rendering is lost

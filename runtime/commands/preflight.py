@@ -11,6 +11,7 @@ from jobspec.run_config import RunConfig
 from jobspec.storage import join, url_to_fs
 from runtime.data.loader import check_for_run
 from runtime.data.manifest import load_manifest
+from runtime.data.mixture import open_data
 from runtime.model.flops import parameter_counts
 from runtime.model.registry import spec_for
 from runtime.model.sharding import build_mesh
@@ -106,6 +107,16 @@ def preflight(cfg: RunConfig) -> dict[str, Any]:
     )
 
     def data():
+        if cfg.data.sources is not None:  # a mixture: every source exists and they fit together
+            mix = open_data(cfg.data)
+            check_for_run(mix, cfg.data, cfg.model.vocab_size, cfg.training)
+            shares = ", ".join(f"{d.name} {d.share:.0%}" for d in cfg.data.datasets)
+            return (
+                f"mixture of {shares}: {mix.split('train').tokens:,} train tokens, "
+                f"tokenizer {mix.tokenizer.id}",
+                None,
+            )
+        assert cfg.data.manifest is not None  # exactly one of manifest / sources
         fs, path = url_to_fs(cfg.data.manifest)
         if not fs.exists(path):
             if cfg.data.prepare is None:

@@ -3,10 +3,12 @@
 Public API:
     TokenBatches(manifest, split, seq_len, global_batch_size, accum=1, order="shuffle", seed=0,
                  process_index=0, process_count=1, prefetch=2, fields=())
+                                      manifest: a Manifest, or a Mixture (mixture.py)
         .iterate(start_step=0, stop_step=None) -> BatchIterator   Grain-backed, prefetching
         .read_step(step) -> dict[str, np.ndarray]                 this process's arrays, no Grain
         .record_ids(step) -> np.ndarray                           the step's R global record ids
         .provenance(step) -> dict                                 {"step", "record_ids", "batch_hash"}
+                                             a mixture's adds "sources" and "tokens_per_source"
         .state_for(step) -> dict                                  iterator state before `step`
         .describe() -> dict; .close()                             diagnostics; close its iterators
         .local_record_ids(step) -> np.ndarray                     [accum, local_rows] of this process
@@ -25,16 +27,18 @@ Public API:
     check_vocab(manifest, vocab_size) / check_tokenizer(manifest, spec)   start-of-run checks
 
 The loader picks a record source (sources.py: the rows of record ids) and a record order
-(order.py: the record id of global sample n) once. Step s uses global rows j = 0..R-1
-(R = global_batch_size × accum) = samples s*R + j, so the batch depends on (manifest, split,
-order, seed, seq_len, R, step) only, never on the process count. Process p of P reads microbatch
-m, local row r = global row m*global_batch_size + p*(gbs/P) + r. The batch dict holds the
-source's arrays shaped [accum, global_batch_size // P, seq_len].
+(order.py: the record id of global sample n) once; a `[[data.sources]]` mixture has its own pair
+(mixture.py: each sample's source, then that source's order and rows). Step s uses global rows
+j = 0..R-1 (R = global_batch_size × accum) = samples s*R + j, so the batch depends on (manifest,
+split, order, seed, seq_len, R, step) only, never on the process count. Process p of P reads
+microbatch m, local row r = global row m*global_batch_size + p*(gbs/P) + r. The batch dict holds
+the source's arrays shaped [accum, global_batch_size // P, seq_len].
 
 State. Grain iterates a MapDataset whose index is the step, so Grain's own iterator state
 {"next_index": step} is exact; get_state() wraps it with the identity of the order (fingerprint,
-split, order, seed, seq_len, global batch, accum). Process count is not part of it: a state saved
-with P processes restores under any other P and yields the same global batches.
+split, order, seed, seq_len, global batch, accum; a mixture's sources and weights). Process count
+is not part of it: a state saved with P processes restores under any other P and yields the same
+global batches.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ import numpy as np
 from jobspec.errors import ConfigError, DataError
 from jobspec.run_config import DataConfig, TrainingConfig
 from runtime.data.manifest import PG_FIELDS, Manifest
-from runtime.data.order import ORDERS, Order, record_order
-from runtime.data.sources import check_rollouts_fit, record_source
+from runtime.data.mixture import Mixture, decode, manifests_of, mixture_reader
+from runtime.data.order import ORDERS, Order, RecordOrder, record_order
+from runtime.data.sources import RecordSource, check_rollouts_fit, record_source
 from runtime.data.tokenizer import tokenizer_id_for
 
 STATE_KIND = "jaxjob.token_batches/1"
@@ -69,17 +74,18 @@ class StepBatch(NamedTuple):
     provenance: dict[str, Any]
 
 
-def _check_layout(manifest: Manifest, order: str, fields: tuple[str, ...]) -> None:
-    """The order is known and fits the manifest's layout, which carries the requested fields."""
+def _check_layout(data: Manifest | Mixture, order: str, fields: tuple[str, ...]) -> None:
+    """The order is known and fits each manifest's layout, which carries the requested fields."""
     if order not in ORDERS:
         raise ConfigError(f"data.order is {order!r}; use one of {', '.join(ORDERS)}")
-    check_order(manifest, order)
-    if missing := [f for f in fields if f not in manifest.field_names]:
-        raise DataError(
-            f"the batches need the per-token fields {missing} but {manifest.root} "
-            f"({manifest.layout} layout) carries {list(manifest.field_names)}; prepare "
-            "rollouts that have them (`runtime data prepare --format rollouts`)"
-        )
+    for manifest in manifests_of(data):
+        check_order(manifest, order)
+        if missing := [f for f in fields if f not in manifest.field_names]:
+            raise DataError(
+                f"the batches need the per-token fields {missing} but {manifest.root} "
+                f"({manifest.layout} layout) carries {list(manifest.field_names)}; prepare "
+                "rollouts that have them (`runtime data prepare --format rollouts`)"
+            )
 
 
 def _check_sizes(sizes: tuple[int, int, int], process_index: int, process_count: int) -> None:
@@ -106,7 +112,7 @@ class TokenBatches:
 
     def __init__(
         self,
-        manifest: Manifest,
+        manifest: Manifest | Mixture,
         split: str,
         seq_len: int,
         global_batch_size: int,
@@ -127,9 +133,17 @@ class TokenBatches:
         self.prefetch = prefetch
         self.fields = tuple(fields)
         self._iterators: weakref.WeakSet[BatchIterator] = weakref.WeakSet()
-        self.source = record_source(manifest, split, seq_len, order, seed, self.fields)
+        self.mixture = manifest if isinstance(manifest, Mixture) else None
+        self.source: RecordSource
+        self.record_order: RecordOrder
+        if isinstance(manifest, Mixture):
+            self.source, self.record_order = mixture_reader(
+                manifest, split, seq_len, order, seed, self.fields
+            )
+        else:
+            self.source = record_source(manifest, split, seq_len, order, seed, self.fields)
+            self.record_order = record_order(order, self.source.records_per_epoch, seed)
         self.records_per_epoch = self.source.records_per_epoch
-        self.record_order = record_order(order, self.records_per_epoch, seed)
         self.rows_per_step = global_batch_size * accum
         self.local_rows = global_batch_size // process_count
         # Global row j of every step that this process owns, laid out [accum, local_rows].
@@ -147,10 +161,29 @@ class TokenBatches:
 
     def provenance(self, step: int, ids: np.ndarray | None = None) -> dict[str, Any]:
         ids = self.record_ids(step) if ids is None else ids
+        if self.mixture is not None:
+            return self._mixture_provenance(step, ids, self.mixture)
         seed = 0 if self.order == "sequential" else self.seed  # sequential ignores the seed
         head = f"{self.manifest.fingerprint}|{self.split}|{self.order}|{seed}|{self.seq_len}|"
         digest = hashlib.sha256(head.encode() + ids.astype("<i8").tobytes()).hexdigest()[:16]
         return {"step": step, "record_ids": ids.tolist(), "batch_hash": digest}
+
+    def _mixture_provenance(self, step: int, ids: np.ndarray, mix: Mixture) -> dict[str, Any]:
+        """Each row's source and its record id there; the hash covers both (the block order
+        uses the seed even when every source is read sequentially)."""
+        src, rid = decode(ids, len(mix.names))
+        head = f"{mix.fingerprint}|{self.split}|{self.order}|{self.seed}|{self.seq_len}|"
+        raw = rid.astype("<i8").tobytes() + src.astype("<i8").tobytes()
+        rows = np.bincount(src, minlength=len(mix.names))
+        return {
+            "step": step,
+            "record_ids": rid.tolist(),
+            "sources": [mix.names[j] for j in src],
+            "tokens_per_source": {
+                n: int(r) * self.seq_len for n, r in zip(mix.names, rows, strict=True)
+            },
+            "batch_hash": hashlib.sha256(head.encode() + raw).hexdigest()[:16],
+        }
 
     def read_step(self, step: int, ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """This process's [accum, local_rows, seq_len] arrays for `step` (what Grain maps)."""
@@ -173,7 +206,7 @@ class TokenBatches:
         )
 
     def identity(self) -> dict[str, Any]:
-        return {
+        out = {
             "fingerprint": self.manifest.fingerprint,
             "split": self.split,
             "order": self.order,
@@ -182,6 +215,13 @@ class TokenBatches:
             "global_batch_size": self.global_batch_size,
             "accum": self.accum,
         }
+        if self.mixture is not None:  # also in the fingerprint; listed so a state says itself
+            m = self.mixture
+            out["sources"] = [
+                {"name": n, "fingerprint": f.fingerprint, "weight": w}
+                for n, f, w in zip(m.names, m.manifests, m.weights, strict=True)
+            ]
+        return out
 
     def state_for(self, step: int) -> dict[str, Any]:
         """The iterator state just before `step` is yielded (JSON-serialisable)."""
@@ -216,6 +256,7 @@ class TokenBatches:
             "remote": self.source.remote,
             "layout": self.manifest.layout,
             "fields": list(self.source.field_names),
+            **({"mixture": self.mixture.describe()} if self.mixture is not None else {}),
         }
 
 
@@ -271,7 +312,7 @@ class BatchIterator:
 
 
 def train_batches(
-    manifest: Manifest,
+    manifest: Manifest | Mixture,
     data: DataConfig,
     training: TrainingConfig,
     seed: int,
@@ -295,7 +336,7 @@ def train_batches(
 
 
 def eval_loader(
-    manifest: Manifest,
+    manifest: Manifest | Mixture,
     split: str,
     seq_len: int,
     global_batch_size: int,
@@ -304,7 +345,8 @@ def eval_loader(
     prefetch: int = 2,
 ) -> TokenBatches:
     """The fixed eval order of a split: sequential global batches, accum 1. Build it once and
-    call `.iterate(0, num_batches)` for every eval."""
+    call `.iterate(0, num_batches)` for every eval. A mixture's eval reads every source's split,
+    each sequentially, interleaved by weight in the blocks of seed 0: fixed across evals and runs."""
     return TokenBatches(
         manifest,
         split,
@@ -319,7 +361,7 @@ def eval_loader(
 
 
 def eval_batches(
-    manifest: Manifest,
+    manifest: Manifest | Mixture,
     split: str,
     seq_len: int,
     global_batch_size: int,
@@ -340,19 +382,24 @@ def eval_batches(
 
 
 def check_for_run(
-    manifest: Manifest, data: DataConfig, vocab_size: int, training: TrainingConfig | None = None
+    data_in: Manifest | Mixture,
+    data: DataConfig,
+    vocab_size: int,
+    training: TrainingConfig | None = None,
 ) -> None:
-    """The start-of-run checks: data.tokenizer matches the manifest, ids fit model.vocab_size,
-    and (given the training section) the order, objective and seq_len fit the manifest's layout."""
-    check_tokenizer(manifest, data.tokenizer)
-    check_vocab(manifest, vocab_size)
-    check_order(manifest, data.order)
-    if training is not None:
-        check_objective(manifest, training.objective)
-        if manifest.layout == "rollouts":
-            for split in ("train", "validation"):  # evals read either split: check both up front
-                longest = manifest.split(split).max_document_tokens or 0
-                check_rollouts_fit(manifest, split, training.seq_len, longest)
+    """The start-of-run checks of every manifest (a mixture's sources each): data.tokenizer
+    matches it, ids fit model.vocab_size, and (given the training section) the order, objective
+    and seq_len fit its layout."""
+    for manifest in manifests_of(data_in):
+        check_tokenizer(manifest, data.tokenizer)
+        check_vocab(manifest, vocab_size)
+        check_order(manifest, data.order)
+        if training is not None:
+            check_objective(manifest, training.objective)
+            if manifest.layout == "rollouts":
+                for split in ("train", "validation"):  # evals read either split: check both now
+                    longest = manifest.split(split).max_document_tokens or 0
+                    check_rollouts_fit(manifest, split, training.seq_len, longest)
 
 
 def check_order(manifest: Manifest, order: str) -> None:

@@ -111,6 +111,10 @@ class SourceInfo(_Model):
     val_fraction: float
     max_bytes: int | None
     shard_tokens: int
+    # Absent in manifests made before parquet inputs and parts.
+    text_field: str | None = None
+    part_bytes: int | None = Field(None, description="Input bytes per part (see parts.py).")
+    parts: int | None = None
 
 
 class Manifest(_Model):

@@ -2,8 +2,8 @@
 tokens/s and ETA, on stderr (so `--json` stdout stays clean).
 
 enabled=None (auto) shows it only when stderr is a terminal (tqdm's disable=None); a hidden bar
-costs two integer additions per document and never sizes the inputs. The shown bar is redrawn
-once per tokenizer batch (ENCODE_BATCH documents), at most every 0.1 s.
+costs a few integer additions per report. The shown bar is redrawn at most every 0.1 s; the
+input sizes come from the listing that found the files.
 """
 
 from __future__ import annotations
@@ -14,64 +14,49 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from jobspec.storage import url_to_fs
-
 
 class PrepareProgress:
     """Counts what a prepare has read and written; shows it as one tqdm bar when enabled.
 
-    files: the expanded inputs, read in this order; max_bytes: the prepare's cap (the total is
-    min(sum of the file sizes, max_bytes)); bytes_known=False (rollout inputs, whose bytes the
-    reader does not report) makes the bar count documents instead of bytes.
+    total_bytes: the input bytes this prepare reads (the sizes of its files, capped at max_bytes);
+    None makes the bar count documents instead of bytes (rollout inputs, whose reader does not
+    report bytes). Parts report through `add`, from this process or from a worker's queue.
     """
 
     def __init__(
         self,
-        files: list[str],
-        max_bytes: int | None,
+        total_bytes: int | None,
         enabled: bool | None,
         *,
-        every: int,
-        bytes_known: bool = True,
         file: TextIO | None = None,
     ):
-        self.bytes = 0  # document bytes read (raised to the finished files' sizes as they end)
+        self.bytes = 0  # input bytes read (a compressed file's are counted at most its size)
         self.documents = 0
         self.tokens = 0
-        self.every = every
-        self.bytes_known = bytes_known
-        self._ends: list[int] = []  # cumulative file sizes: where the count stands as each ends
-        self._files_done = 0
+        self.files = 0
+        self.bytes_known = total_bytes is not None
         self._bar = tqdm(
             desc="prepare",
-            unit="B" if bytes_known else " docs",
-            unit_scale=bytes_known,
+            unit="B" if self.bytes_known else " docs",
+            unit_scale=self.bytes_known,
             file=file if file is not None else sys.stderr,
             disable=None if enabled is None else not enabled,
             leave=True,
             dynamic_ncols=True,
         )
         self.shown = not self._bar.disable
-        self._start = time.perf_counter()
-        if self.shown and bytes_known:
-            self._ends = _cumulative_sizes(files)
-            if self._ends:
-                total = self._ends[-1]
-                self._bar.reset(total=total if max_bytes is None else min(total, max_bytes))
-            self._start = time.perf_counter()
+        if self.shown and total_bytes is not None:
+            self._bar.reset(total=total_bytes)
+        self._start = self._drawn = time.perf_counter()
 
-    def file_done(self) -> None:
-        """One input file has been read to its end (its bytes beyond the documents' text, such
-        as JSONL framing, count as read now)."""
-        self._files_done += 1
-        if self._ends:
-            self.bytes = max(self.bytes, self._ends[self._files_done - 1])
-
-    def wrote(self, tokens: int) -> None:
-        """One document of `tokens` tokens went to a split; the bar is redrawn every `every`."""
-        self.documents += 1
+    def add(self, nbytes: int = 0, documents: int = 0, tokens: int = 0, files: int = 0) -> None:
+        """What a part has done since its last report; the bar is redrawn at most every 0.1 s."""
+        self.bytes += nbytes
+        self.documents += documents
         self.tokens += tokens
-        if self.shown and self.documents % self.every == 0:
+        self.files += files
+        if self.shown and (now := time.perf_counter()) - self._drawn >= 0.1:
+            self._drawn = now
             self._show()
 
     def close(self, complete: bool) -> None:
@@ -93,19 +78,3 @@ class PrepareProgress:
             self._bar.set_postfix_str(f"{rate} tok/s", refresh=False)
             position = self.documents
         self._bar.update(position - self._bar.n)
-
-
-def _cumulative_sizes(files: list[str]) -> list[int]:
-    """Running totals of the files' sizes (through fsspec: local or gs://, whose sizes the glob
-    that found the files has usually cached); [] when one cannot be sized, as a bar must never
-    fail a prepare (the read that follows reports the problem)."""
-    ends: list[int] = []
-    total = 0
-    try:
-        for uri in files:
-            fs, path = url_to_fs(uri)
-            total += int(fs.size(path) or 0)
-            ends.append(total)
-    except Exception:  # noqa: BLE001
-        return []
-    return ends

@@ -32,6 +32,7 @@ import numpy as np
 from jobspec.errors import DataError
 from runtime.data.jsonl import json_objects
 from runtime.data.manifest import FIELD_DTYPES, PG_FIELDS
+from runtime.data.readers import input_kind
 from runtime.data.tokenizer import Tokenizer
 
 Kind = Literal["pg", "sft"]
@@ -186,10 +187,10 @@ def _mixed(line: _Line) -> DataError:
 
 def _lines(files: list[str]) -> Iterator[tuple[dict, _Line]]:
     for uri in files:
-        if not uri.endswith(".jsonl"):
+        if input_kind(uri) != "jsonl":
             raise DataError(
                 f"rollout input {uri} is not a .jsonl file; rollouts are one JSON object per line "
-                "in .jsonl files"
+                "in .jsonl files (plain, .gz or .zst)"
             )
         for lineno, doc in json_objects(uri):
             yield doc, _Line(uri, lineno)

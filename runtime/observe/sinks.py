@@ -31,12 +31,16 @@ def _warn(msg: str) -> None:
 
 
 def scalars(row: dict[str, Any], prefix: str) -> dict[str, float]:
-    """`prefix/<field>` for every numeric field of a row (bools and ids left out)."""
+    """`prefix/<field>` for every numeric field of a row (bools and ids left out); a table of
+    numbers (tokens_per_source) is `prefix/<field>/<key>`."""
     out = {}
     for k, v in row.items():
-        if k in NOT_SCALARS or isinstance(v, bool) or not isinstance(v, int | float):
+        if k in NOT_SCALARS:
             continue
-        out[f"{prefix}/{k}"] = float(v)
+        if isinstance(v, dict):
+            out.update(scalars(v, f"{prefix}/{k}"))
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[f"{prefix}/{k}"] = float(v)
     return out
 
 

@@ -230,8 +230,12 @@ class RunArtifacts:
             row = {"step": step, "tokens": step * tps}
             row.update({k: _scalar(v) for k, v in m.items()})
             row["batch_hash"] = prov["batch_hash"]
+            if "tokens_per_source" in prov:  # a mixture: what each source fed this step
+                row["tokens_per_source"] = prov["tokens_per_source"]
             if mode == "ids":
                 row["record_ids"] = prov["record_ids"]
+                if "sources" in prov:  # a mixture's record ids are each source's own
+                    row["sources"] = prov["sources"]
             rows.append(row)
         if timing:
             rows[-1].update(timing)

@@ -13,6 +13,7 @@ import jax
 from jobspec.errors import CheckpointError
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
+from runtime.data.mixture import manifests_of
 
 # Recomputation policy and attention kernel: same numbers (to rounding), same shapes.
 # The MoE dispatch moves the same parameters differently (a capacity factor only drops tokens).
@@ -34,15 +35,29 @@ TOPOLOGY = "topology."  # keys that may change only with --reshard
 
 
 def fingerprint(
-    cfg: RunConfig, *, manifest_fingerprint: str, tokenizer_id: str, process_count: int = 1
+    cfg: RunConfig,
+    *,
+    manifest_fingerprint: str,
+    tokenizer_id: str,
+    process_count: int = 1,
+    source_fingerprints: list[str] | None = None,
 ) -> dict[str, Any]:
+    """`source_fingerprints`: those of `[[data.sources]]` in order (a mixture; then
+    `manifest_fingerprint` is not recorded)."""
     raw = resolved_dict(cfg)
     out: dict[str, Any] = {}
     _flatten("model", {k: v for k, v in raw["model"].items() if k not in _MODEL_FREE}, out)
     _flatten("optimizer", raw["optimizer"], out)
     out["model.resolved_head_dim"] = cfg.model.resolved_head_dim
     out["data.tokenizer"] = tokenizer_id
-    out["data.manifest"] = manifest_fingerprint
+    if cfg.data.sources is None:
+        out["data.manifest"] = manifest_fingerprint
+    else:
+        # Which source every sample comes from follows from the names' order and the weights.
+        out["data.sources"] = [s.name for s in cfg.data.sources]
+        for i, (s, fp) in enumerate(zip(cfg.data.sources, source_fingerprints or [], strict=True)):
+            out[f"data.sources[{i}].manifest"] = fp
+            out[f"data.sources[{i}].weight"] = s.weight
     out["data.order"] = cfg.data.order
     out["run.seed"] = cfg.run.seed
     out["training.seq_len"] = cfg.training.seq_len
@@ -54,12 +69,14 @@ def fingerprint(
 
 
 def run_fingerprint(cfg: RunConfig, manifest: Any) -> dict[str, Any]:
-    """The fingerprint of `cfg` training on `manifest` with this job's process count."""
+    """The fingerprint of `cfg` training on `manifest` (or a mixture) with this job's process
+    count."""
     return fingerprint(
         cfg,
         manifest_fingerprint=manifest.fingerprint,
         tokenizer_id=manifest.tokenizer.id,
         process_count=jax.process_count(),
+        source_fingerprints=[m.fingerprint for m in manifests_of(manifest)],
     )
 
 
@@ -87,7 +104,8 @@ def check_compatible(
                 f"run has {new!r}; pass --reshard to restore it onto the new layout"
             )
         if old != new:
-            what = "content fingerprint" if key == "data.manifest" else "value"
+            content = key == "data.manifest" or key.endswith("].manifest")
+            what = "content fingerprint" if content else "value"
             raise CheckpointError(
                 f"cannot resume from checkpoint {step}: compatibility.{key} changed ({what} "
                 f"{old!r} in the checkpoint, {new!r} in the config); restore it or start a new run.id"

@@ -20,7 +20,7 @@ from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
 from jobspec.storage import RetryPolicy, configure_gcs_env, join
 from runtime.data.loader import TokenBatches, check_for_run, train_batches
-from runtime.data.prepare import ensure_manifest
+from runtime.data.mixture import load_data
 from runtime.host import boot, startup
 from runtime.host.coordination import HostWatchdog, StopAgreement
 from runtime.model.build import build_model
@@ -286,7 +286,7 @@ def _train(
     configure_gcs_env()
     t_start = time.perf_counter()
     store, resume = _open_run(cfg, resume, writer_index)
-    manifest = ensure_manifest(cfg.data, is_writer=store.is_writer)
+    manifest = load_data(cfg.data, is_writer=store.is_writer)  # or a [[data.sources]] mixture
     check_for_run(manifest, cfg.data, cfg.model.vocab_size, cfg.training)
     mesh = build_mesh(cfg.mesh)
     ckpt = CheckpointService(

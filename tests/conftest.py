@@ -25,6 +25,20 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 # Tests run on CPU. With the TPU runtime and CUDA plugin installed (`runtime plan` needs them),
 # JAX would otherwise probe for chips in every process and print the plugins' failures.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's CPU compile is most of a tiny run's time, and the suite starts hundreds of processes that
+# compile the same few programs: they share one persistent compilation cache for the session
+# (inherited by every subprocess through the environment; removed at the end).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="jaxjob-tests-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+else:
+    _XLA_CACHE = None
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _XLA_CACHE is not None:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 def free_port() -> int:

@@ -428,3 +428,27 @@ def test_checkpoints_commands_verify_list_and_rollback(ckpt_uri: str) -> None:
     event = store.read_jsonl("events.jsonl")[-1]
     assert event["event"] == "checkpoints_discarded" and event["steps"] == [6]
     assert verify_checkpoints(ckpt_uri)["ok"]
+
+
+def test_a_failed_restore_quiets_only_the_abandoned_reads(caplog):
+    """After a failed restore, the abandoned reads' own reports (asyncio's unretrieved futures,
+    unawaited coroutines) repeat the cause after the one sentence; other asyncio errors stay."""
+    import logging
+    import warnings
+
+    from runtime.run.checkpoint import _quiet_abandoned_futures
+
+    _quiet_abandoned_futures()
+    log = logging.getLogger("asyncio")
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        log.error("Future exception was never retrieved\nfuture: <Future finished exception=X>")
+        log.error("Task was destroyed but it is pending!")
+    assert [r.getMessage() for r in caplog.records] == ["Task was destroyed but it is pending!"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        _quiet_abandoned_futures()  # catch_warnings restored the filters: set them again
+        warnings.warn(
+            "coroutine 'Store._get_array_metadatas' was never awaited", RuntimeWarning, stacklevel=1
+        )
+        warnings.warn("something else", RuntimeWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["something else"]

@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -458,6 +459,7 @@ class CheckpointService:
             # The storage failing under the read (a 503, a timeout, EIO) is no verdict on the
             # checkpoint: restartable, and the step is not marked unreadable.
             self._raise_if_fault(step, e, "could not be read")
+            _quiet_abandoned_futures()
             raise self.unreadable(step, e, fallback=fallback) from e
         opt_state = out["opt_state"] if opt_state_target is not None else None
         return out["params"], opt_state, meta
@@ -578,6 +580,24 @@ def _quiet_abandoned_reads() -> None:
 
     hook._jaxjob_quiet = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+
+
+class _DropAbandoned(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        first = str(record.msg).split("\n", 1)[0]
+        return not first.endswith("exception was never retrieved")
+
+
+def _quiet_abandoned_futures() -> None:
+    """After a failed restore, the reads Orbax abandoned are garbage-collected later (at exit,
+    after our one sentence): asyncio logs "Future exception was never retrieved" with the same
+    tensorstore error, and Python warns of a coroutine never awaited. Both repeat the cause: drop
+    exactly those, once a restore has failed."""
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
+                            category=RuntimeWarning)  # fmt: skip
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropAbandoned) for f in log.filters):
+        log.addFilter(_DropAbandoned())
 
 
 def short_cause(e: BaseException | str, limit: int = 200) -> str:

@@ -582,22 +582,13 @@ def _quiet_abandoned_reads() -> None:
     sys.unraisablehook = hook
 
 
-class _DropAbandoned(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        first = str(record.msg).split("\n", 1)[0]
-        return not first.endswith("exception was never retrieved")
-
-
 def _quiet_abandoned_futures() -> None:
     """After a failed restore, the reads Orbax abandoned are garbage-collected later (at exit,
-    after our one sentence): asyncio logs "Future exception was never retrieved" with the same
-    tensorstore error, and Python warns of a coroutine never awaited. Both repeat the cause: drop
-    exactly those, once a restore has failed."""
+    after our one sentence), and Python warns that their coroutines were never awaited: that
+    repeats the cause, so it is dropped once a restore has failed (asyncio's own report of them
+    is _QuietOrbaxLeftovers')."""
     warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
                             category=RuntimeWarning)  # fmt: skip
-    log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _DropAbandoned) for f in log.filters):
-        log.addFilter(_DropAbandoned())
 
 
 def short_cause(e: BaseException | str, limit: int = 200) -> str:
@@ -685,8 +676,10 @@ class _QuietOrbaxLeftovers(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None and storage_fault(exc) is not None:
             return False
-        # The task's repr names its coroutine and where it is defined: one of Orbax's.
-        return "/orbax/checkpoint/" not in record.getMessage()
+        # A task's repr names its coroutine and where it is defined (one of Orbax's); a plain
+        # future's names its exception, a tensorstore error with its spec.
+        text = record.getMessage()
+        return "/orbax/checkpoint/" not in text and "tensorstore_spec" not in text
 
 
 logging.getLogger("absl").addFilter(_OneLineOrbaxErrors())

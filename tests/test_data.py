@@ -518,7 +518,7 @@ def test_a_failing_input_read_is_said_as_a_read_not_a_write():
     """Inputs are read lazily while the shards are written: a read that fails is the input's
     problem (exit 2) or a storage fault (45), never "cannot write the dataset"."""
     from jobspec.errors import StorageFaultError
-    from runtime.data.prepare import _next_document
+    from runtime.data.parts import next_document as _next_document
 
     def failing(exc: Exception):
         raise exc

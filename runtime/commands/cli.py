@@ -426,9 +426,14 @@ def data_tokenizer(inputs, vocab_size, out, text_field, max_bytes) -> None:
 
     Its end-of-document token is <|endoftext|>; pass the file to `data prepare --tokenizer`."""
     from runtime.data.bpe import train_bpe_on
+    from runtime.data.tokenizer import load_tokenizer
 
     train_bpe_on(list(inputs), vocab_size, out, text_field=text_field, max_bytes=max_bytes)
-    click.echo(f"wrote {out} (byte-level BPE, vocab {vocab_size}, eos <|endoftext|>)")
+    # A small corpus stops merging before the asked size: say what was made.
+    made = load_tokenizer(out).vocab_size
+    click.echo(
+        f"wrote {out} (byte-level BPE, vocab {made} of {vocab_size} asked, eos <|endoftext|>)"
+    )
 
 
 @data_group.command("merge")

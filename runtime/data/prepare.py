@@ -78,7 +78,6 @@ from runtime.data.parts import (
     Plan,
     list_inputs,
     make_plan,
-    next_document,
     part_folder,
     read_part,
     write_bytes,
@@ -109,7 +108,6 @@ _OWN_FILE = re.compile(
 )
 _SHARD_DIR = re.compile(r"^shards-\d{8}T\d{6}-[0-9a-f]{8}$|^shares-[0-9a-f]{16}$")
 _UNCHANGED = "(the dataset already there, if any, is unchanged)"
-_next_document = next_document  # the name the tests know
 
 
 def expand_inputs(inputs: list[str]) -> list[str]:

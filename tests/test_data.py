@@ -544,3 +544,189 @@ def test_an_output_under_a_file_is_one_sentence(tmp_path):
         match=r"cannot write the dataset to .*: Not a directory; choose a writable --out",
     ):
         prepare_dataset([str(src / "a.txt")], "byte", str(blocker / "ds"))
+
+
+# --- inputs on the command line ----------------------------------------------------------------
+
+
+def _invoke(*args: str):
+    from click.testing import CliRunner
+
+    from runtime.commands.cli import cli
+
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_prepare_takes_every_path_an_unquoted_glob_expands_into(tmp_path):
+    """`--input src/*.txt` unquoted reaches the command as `--input src/a.txt src/b.txt …`: every
+    path is an input, a name with glob characters is that file, and the dataset is the one the
+    quoted glob makes."""
+    src = tmp_path / "src"
+    files = [str(_write(src, f"d{i}.txt", chr(ord("a") + i) * (20 + i))) for i in range(3)]
+    files.append(str(_write(src, "x[1].txt", "z" * 25)))  # a glob would read it as x1.txt
+    res = _invoke("data", "prepare", "--input", *files, "--out", str(tmp_path / "paths"),
+                  "--val-fraction", "0", "--progress", "--no-progress")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    by_paths = load_manifest(str(tmp_path / "paths" / "manifest.json"))
+    assert by_paths.source.files == 4 and by_paths.total_documents == 4
+    assert by_paths.source.inputs == files
+    res = _invoke("data", "prepare", "--input", f"{src}/*.txt", "--out", str(tmp_path / "glob"),
+                  "--val-fraction", "0", "--no-progress")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    by_glob = load_manifest(str(tmp_path / "glob" / "manifest.json"))
+    assert by_paths.fingerprint == by_glob.fingerprint
+    # --input stays repeatable, and paths before, between and after the options all count.
+    res = _invoke("data", "prepare", files[0], "--input", files[1], "--out",
+                  str(tmp_path / "mixed"), files[2], "--input", files[3], "--val-fraction", "0",
+                  "--no-progress")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert load_manifest(str(tmp_path / "mixed" / "manifest.json")).fingerprint == (
+        by_glob.fingerprint
+    )
+
+
+def test_prepare_in_a_shell_with_an_unquoted_glob(tmp_path):
+    """Exactly the failing report: the shell expands the glob, the command takes every file."""
+    import subprocess
+    import sys
+
+    from runs import ROOT
+
+    src = tmp_path / "pq"
+    for i in range(3):
+        _write(src, f"p{i}.jsonl", json.dumps({"text": f"document number {i}"}) + "\n")
+    out = tmp_path / "ds"
+    r = subprocess.run(f"{sys.executable} -m runtime data prepare --input {src}/*.jsonl "
+                       f"--out {out} --val-fraction 0 --json", shell=True, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["total_documents"] == 3
+
+
+def test_tokenizer_takes_every_path_too(tmp_path):
+    src = tmp_path / "src"
+    files = [
+        str(_write(src, f"{word}.txt", f"{word} " * 200)) for word in ("alpha", "omega", "kappa")
+    ]
+    res = _invoke("data", "tokenizer", "--input", *files, "--vocab-size", "300", "--out",
+                  str(tmp_path / "paths.json"))  # fmt: skip
+    assert res.exit_code == 0, res.output
+    res = _invoke("data", "tokenizer", "--input", f"{src}/*.txt", "--vocab-size", "300", "--out",
+                  str(tmp_path / "glob.json"))  # fmt: skip
+    assert res.exit_code == 0, res.output
+    res = _invoke("data", "tokenizer", "--input", files[0], "--vocab-size", "300", "--out",
+                  str(tmp_path / "first.json"))  # fmt: skip
+    assert res.exit_code == 0, res.output
+    paths = (tmp_path / "paths.json").read_text()
+    assert paths == (tmp_path / "glob.json").read_text()
+    assert paths != (tmp_path / "first.json").read_text()  # the other files were read too
+
+
+@pytest.mark.parametrize("command", [["prepare"], ["tokenizer"]])
+def test_no_input_at_all_is_one_sentence(tmp_path, command):
+    res = _invoke("data", *command, "--out", str(tmp_path / "o"))
+    assert res.exit_code == 2
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
+    assert errors == [
+        "Error: no input given; pass files or globs with --input, e.g. --input 'data/*.jsonl'"
+    ]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", ["prepare", "tokenizer"])
+def test_help_says_paths_after_input_are_inputs(command):
+    res = _invoke("data", command, "--help")
+    assert res.exit_code == 0
+    text = " ".join(res.output.split())
+    assert "[OPTIONS] [PATH]..." in text
+    assert "the paths that follow it are inputs too" in text
+
+
+# --- a failed prepare leaves no --out folder it created -----------------------------------------
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _fail_with(kind: str, tmp_path: Path, monkeypatch) -> tuple[list[str], type]:
+    """Inputs (and a patch) that make a prepare fail after it has made its folders."""
+    src = tmp_path / "src"
+    if kind == "no text":
+        return [str(_write(src, "blank.txt", ""))], DataError
+    if kind == "bad input":
+        return [str(_write(src, "a.jsonl", '{"body": "no text field"}\n'))], DataError
+    import runtime.data.prepare as prepare_mod
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_mod, "run_parts", interrupted)
+    return [str(_write(src, "a.txt", "a" * 40))], KeyboardInterrupt
+
+
+FAILURES = ["no text", "bad input", "ctrl-c"]
+
+
+@pytest.mark.parametrize("kind", FAILURES)
+def test_a_failed_prepare_removes_the_out_folders_it_made(tmp_path, monkeypatch, kind):
+    inputs, error = _fail_with(kind, tmp_path, monkeypatch)
+    made = tmp_path / "new"
+    with pytest.raises(error):
+        prepare_dataset(inputs, "byte", str(made / "deeper" / "ds"))
+    assert not made.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("kind", FAILURES)
+def test_a_failed_prepare_keeps_the_folders_it_found(tmp_path, monkeypatch, kind):
+    good = str(_write(tmp_path / "good", "g.txt", "g" * 50))
+    inputs, error = _fail_with(kind, tmp_path, monkeypatch)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(error):
+        prepare_dataset(inputs, "byte", str(empty))
+    assert empty.is_dir() and list(empty.iterdir()) == []
+    if kind != "ctrl-c":  # the patched prepare cannot make the first dataset
+        prepare_dataset([good], "byte", str(tmp_path / "old"))
+        before = _tree(tmp_path / "old")
+        with pytest.raises(error):
+            prepare_dataset(inputs, "byte", str(tmp_path / "old"))
+        assert _tree(tmp_path / "old") == before
+
+
+def test_a_failed_prepare_keeps_what_others_put_in_its_new_folder(tmp_path, monkeypatch):
+    import runtime.data.prepare as prepare_mod
+
+    out = tmp_path / "new" / "ds"
+
+    def someone_writes(*args, **kwargs):
+        (out / "notes.txt").write_text("not the prepare's")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_mod, "run_parts", someone_writes)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset([str(_write(tmp_path / "src", "a.txt", "a" * 40))], "byte", str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_a_failed_prepare_on_fsspec_removes_its_new_folder(tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file("/jaxjob-fail/blank.txt", b"")
+    with pytest.raises(DataError, match="hold no text"):
+        prepare_dataset(["memory://jaxjob-fail/blank.txt"], "byte", "memory://jaxjob-fail/new/ds")
+    assert fs.ls("/jaxjob-fail", detail=False) == ["/jaxjob-fail/blank.txt"]
+
+
+@pytest.mark.gcs
+def test_a_failed_prepare_on_gcs_leaves_no_objects(tmp_path, gs_run_uri):
+    from jobspec.storage import url_to_fs
+
+    blank = str(_write(tmp_path, "blank.txt", ""))
+    with pytest.raises(DataError, match="hold no text"):
+        prepare_dataset([blank], "byte", f"{gs_run_uri}/ds")
+    fs, path = url_to_fs(gs_run_uri)
+    fs.invalidate_cache()
+    assert not fs.exists(path) and fs.find(path) == []

@@ -157,6 +157,12 @@ def test_cli_import_then_export_and_sample(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     _same_tensors(load_file(str(src / SINGLE)), load_file(str(tmp_path / "o" / SINGLE)))
+    # Every exported file has the mode a new file gets under this umask (the safetensors
+    # writer's temp file is 0600): 0644 under umask 022.
+    (tmp_path / "probe").write_text("")
+    plain = (tmp_path / "probe").stat().st_mode & 0o777
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "o").iterdir()}
+    assert modes == {"config.json": plain, SINGLE: plain}
     r = run_cli("sample", "checkpoint", str(run_dir), "--prompt-ids", "1,2,3", "--top-k", "1")
     assert r.returncode == 0, r.stderr
     # Imported without --config there is no data to evaluate on: one sentence, not a bad path.

@@ -130,10 +130,22 @@ def local_cmd(
             f"(runtime local CONFIG --resume --from-step {from_step})"
         )
     cfg, source = _load(config, (*sets, *_profile_sets(profile_steps)))
+    from jobspec.storage import join
     from runtime.train.loop import train
 
     result = train(cfg, source, resume=resume, max_steps=max_steps, from_step=from_step)
+    click.echo(closing_line(result.summary, join(cfg.run.output_uri, cfg.run.id)), err=True)
     sys.exit(result.exit_code)
+
+
+def closing_line(summary: dict, run_dir: str) -> str:
+    """`runtime local`'s last line: how the run ended, where it got to, and where it is."""
+    parts = [f"{summary.get('steps', 0):,} steps"]
+    if summary.get("final_loss") is not None:
+        parts.append(f"final loss {summary['final_loss']:.4g}")
+    if best := summary.get("best_eval"):
+        parts.append(f"best eval {best['name']} {best['loss']:.4g} @ step {best['step']:,}")
+    return f"run {summary.get('run_id')} {summary.get('status')}: {', '.join(parts)}; {run_dir}"
 
 
 @cli.command("worker")
@@ -302,14 +314,34 @@ def _share(value: str | None) -> tuple[int, int] | None:
     return i, n
 
 
+def _inputs(inputs: tuple[str, ...], paths: tuple[str, ...]) -> list[str]:
+    """--input values, then the paths given as arguments (what the shell expands an unquoted
+    glob into: `--input pq/*.parquet` arrives as `--input pq/a.parquet pq/b.parquet …`)."""
+    given = [*inputs, *paths]
+    if not given:
+        raise click.UsageError(
+            "no input given; pass files or globs with --input, e.g. --input 'data/*.jsonl'"
+        )
+    return given
+
+
+INPUT_PATHS = click.argument("paths", nargs=-1, metavar="[PATH]...")
+INPUT_HELP = (
+    "Repeatable; the paths that follow it are inputs too, so an unquoted glob the shell "
+    "expanded works (quote a glob to expand it here, as gs:// and '**' globs need). PATH "
+    "arguments are inputs with or without --input."
+)
+
+
 @data_group.command("prepare")
+@INPUT_PATHS
 @click.option(
     "--input",
     "inputs",
     multiple=True,
-    required=True,
-    help="File or glob, local or gs:// ('{stdlib}' = Python's stdlib); repeatable. "
-    "*.parquet, *.jsonl[.gz|.zst], or any other file as one document.",
+    metavar="PATH",
+    help="File or glob, local or gs:// ('{stdlib}' = Python's stdlib): *.parquet, "
+    f"*.jsonl[.gz|.zst], or any other file as one document. {INPUT_HELP}",
 )
 @click.option(
     "--tokenizer", default="byte", show_default=True, help="'byte' or a path/URI of tokenizer.json."
@@ -358,10 +390,13 @@ def _share(value: str | None) -> tuple[int, int] | None:
 )
 @click.option("--json", "as_json", is_flag=True)
 def data_prepare(
-    inputs, tokenizer, out, text_field, val_fraction, max_bytes, workers, share, part_size, fmt,
-    progress, as_json,
+    paths, inputs, tokenizer, out, text_field, val_fraction, max_bytes, workers, share, part_size,
+    fmt, progress, as_json,
 ) -> None:  # fmt: skip
     """Tokenize text/JSONL/parquet files (or rollout JSONL) into token shards and a manifest.json.
+
+    The inputs are every --input and every PATH argument: `--input data/*.jsonl` unquoted works,
+    as the shell's expansion arrives as one --input and the rest as PATHs.
 
     The dataset is the same for any --workers and any number of --shard hosts. With --shard I/N
     each host writes its share of the parts (a share run again skips what it finished), and
@@ -372,6 +407,7 @@ def data_prepare(
     """
     from runtime.data.prepare import prepare_dataset, prepare_share
 
+    inputs = _inputs(inputs, paths)
     common = dict(
         val_fraction=val_fraction, format=fmt, progress=progress, text_field=text_field,
         workers=workers, part_bytes=_size(part_size),
@@ -384,7 +420,7 @@ def data_prepare(
                 "one host cannot know for its share; prepare a sample on one host without --shard",
                 param_hint="--max-bytes",
             )
-        rep = prepare_share(list(inputs), tokenizer, out, which, **common)
+        rep = prepare_share(inputs, tokenizer, out, which, **common)
         summary = {
             "plan": rep.plan, "share": f"{which[0]}/{which[1]}", "parts": rep.parts,
             "written": rep.written, "skipped": rep.skipped,
@@ -398,7 +434,7 @@ def data_prepare(
                 f"every share is done: runtime data merge {out}"
             )
         return
-    m = prepare_dataset(list(inputs), tokenizer, out, max_bytes=max_bytes, **common)
+    m = prepare_dataset(inputs, tokenizer, out, max_bytes=max_bytes, **common)
     _report_manifest(m, out, as_json)
 
 
@@ -416,19 +452,25 @@ def _report_manifest(m, out: str, as_json: bool) -> None:
 
 
 @data_group.command("tokenizer")
-@click.option("--input", "inputs", multiple=True, required=True, help="File or glob; repeatable.")
+@INPUT_PATHS
+@click.option(
+    "--input", "inputs", multiple=True, metavar="PATH", help=f"File or glob. {INPUT_HELP}"
+)
 @click.option("--vocab-size", default=8192, show_default=True, type=click.IntRange(min=257))
 @click.option("--out", required=True, help="Where to write tokenizer.json (local or gs://).")
 @click.option("--text-field", default="text", show_default=True)
 @click.option("--max-bytes", default=None, type=int, help="Train on at most this many bytes.")
-def data_tokenizer(inputs, vocab_size, out, text_field, max_bytes) -> None:
+def data_tokenizer(paths, inputs, vocab_size, out, text_field, max_bytes) -> None:
     """Train a byte-level BPE tokenizer on the inputs and save its tokenizer.json.
 
-    Its end-of-document token is <|endoftext|>; pass the file to `data prepare --tokenizer`."""
+    The inputs are every --input and every PATH argument (an unquoted glob works as in `data
+    prepare`). Its end-of-document token is <|endoftext|>; pass the file to `data prepare
+    --tokenizer`."""
     from runtime.data.bpe import train_bpe_on
     from runtime.data.tokenizer import load_tokenizer
 
-    train_bpe_on(list(inputs), vocab_size, out, text_field=text_field, max_bytes=max_bytes)
+    inputs = _inputs(inputs, paths)
+    train_bpe_on(inputs, vocab_size, out, text_field=text_field, max_bytes=max_bytes)
     # A small corpus stops merging before the asked size: say what was made.
     made = load_tokenizer(out).vocab_size
     click.echo(
@@ -498,7 +540,7 @@ def plan_cmd(config, accelerator, hosts, slices, as_json, sets) -> None:
     per chip, FLOPs and collectives. Exits 0 fits, 1 does not fit (report printed), 2 bad input."""
     from runtime.commands.plan import prepare_environment, run_plan
 
-    prepare_environment()
+    prepare_environment(accelerator)
     cfg, _ = _load(config, sets)
     run_plan(cfg, accelerator, hosts, slices, as_json)
 
@@ -714,6 +756,9 @@ def _quiet_library_logs() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from runtime.host import platform
+
+    platform.choose()  # before jax is imported: no probing of plugins this machine cannot use
     _quiet_library_logs()
     try:
         run_group(cli, "runtime", argv)

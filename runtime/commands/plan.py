@@ -14,6 +14,8 @@ import sys
 
 import click
 
+from jobspec.errors import ConfigError
+
 EXIT_DOES_NOT_FIT = 1
 
 
@@ -100,11 +102,16 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def prepare_environment() -> None:
+def prepare_environment(accelerator: str) -> None:
     """Before jax starts: no chip probing (compile-only devices need no platform), and no
     libtpu lock (compile-only TPU devices touch no chip, so a training process holding the lock
     on a TPU VM must not stop a plan)."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from runtime.host import platform
+
+    if platform.chosen_here() or not os.environ.get("JAX_PLATFORMS"):
+        os.environ["JAX_PLATFORMS"] = "cpu"  # a platform chosen for training is not the plan's
+    if _is_gpu(accelerator):
+        platform.unhide_cuda_plugin()  # GPU targets compile through the CUDA plugin
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # libtpu describes the local TPU host when it loads; off a TPU VM it logs a page of
     # warnings (and an INVALID_ARGUMENT it recovers from) unless told there is one host and no
@@ -114,8 +121,27 @@ def prepare_environment() -> None:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
 
 
+def _is_gpu(accelerator: str) -> bool:
+    from jobspec.catalogue import lookup
+
+    try:
+        return lookup(accelerator).kind == "gpu"
+    except ConfigError:
+        return False  # resolve_target says what is wrong with the name
+
+
 def run_plan(cfg, accelerator: str, hosts: int | None, slices: int, as_json: bool) -> None:
     """`runtime plan`: print the report; exit 1 when it does not fit."""
+    from runtime.host import platform
+
+    if not _is_gpu(accelerator):
+        return _run_plan(cfg, accelerator, hosts, slices, as_json)
+    # Without a GPU, the CUDA plugin's libraries log that they found no driver as they load.
+    with platform.dropping_native_lines():
+        _run_plan(cfg, accelerator, hosts, slices, as_json)
+
+
+def _run_plan(cfg, accelerator: str, hosts: int | None, slices: int, as_json: bool) -> None:
     from runtime.plan.compile import plan
     from runtime.plan.targets import check_mesh, resolve_target
 

@@ -12,7 +12,8 @@ Public API:
     ensure_manifest(cfg: DataConfig, is_writer) -> Manifest   a run's data, prepared on first use
 
 Rules (the manifest format is described in manifest.py, the parts in parts.py):
-  * inputs are globs ('**' crosses folders) on a local path or any fsspec URL (gs:// included);
+  * inputs are globs ('**' crosses folders) on a local path or any fsspec URL (gs:// included;
+    a local path naming a file is that file, whatever glob characters its name holds);
     '{stdlib}' expands to this Python's standard-library folder, minus its site-packages (which
     varies by install, so the same glob gives the same data everywhere). Files are taken in
     sorted path order. What a file holds depends on its name (readers.py): *.parquet rows (the
@@ -33,7 +34,8 @@ Rules (the manifest format is described in manifest.py, the parts in parts.py):
     shards go into a fresh folder `out/shards-<time>-<id>/`, manifest.json (the commit point: one
     atomic write pointing at them) is written last, and only then are the previous shards
     deleted. A prepare that fails (empty input, a tokenizer error, a full disk, Ctrl-C) removes
-    its own folder and leaves the previous dataset byte-identical; this works the same on gs://,
+    its own folder (and `out` itself, with any parent folders, when it created them and they
+    are empty) and leaves the previous dataset byte-identical; this works the same on gs://,
     which has no rename.
   * shares (several hosts): `share=(i, n)` writes the parts p with p % n == i into
     `out/shares-<plan id>/` (the same folder on every host: the plan id is a hash of the input
@@ -163,6 +165,37 @@ def _remove_folder(out: str, folder: str) -> None:
         pass
 
 
+def _missing_folders(fs, path: str) -> list[str]:
+    """The folders a write under `path` creates: `path` and its missing parents, deepest first.
+    Never the filesystem root or a bucket (an object store's first path component, which a
+    prepare does not create)."""
+    below = 1 if hasattr(fs, "split_path") else 0  # gcsfs, s3fs, adlfs: bucket/key paths
+    missing: list[str] = []
+    p = path.rstrip("/")
+    while p and p != fs.root_marker and p.strip("/").count("/") >= below and not fs.exists(p):
+        missing.append(p)
+        parent = fs._parent(p)
+        if parent == p:
+            break
+        p = parent
+    return missing
+
+
+def _remove_created(fs, folders: list[str]) -> None:
+    """Delete the folders a failed prepare created, deepest first, each only while empty (a file
+    someone else put there since keeps it); a failure here must not hide the original error."""
+    for folder in folders:
+        try:
+            fs.invalidate_cache(folder)
+            if not fs.exists(folder):  # an object store's folder goes with its last object
+                continue
+            if fs.ls(folder, detail=False):
+                return
+            fs.rmdir(folder)
+        except Exception:  # noqa: BLE001
+            return
+
+
 def _remove_previous(out: str, keep: str) -> None:
     """After the new manifest is in place: delete the shard folders and loose shard files of
     earlier prepares (nothing else in `out` is ours to delete)."""
@@ -262,13 +295,16 @@ def prepare_dataset(
     bar = _bar(plan, indices, progress)
     fs, root = url_to_fs(out)
     folder = _new_folder()
+    created: list[str] = []
     try:
+        created = _missing_folders(fs, root)
         fs.makedirs(join(root, folder), exist_ok=True)
         done = run_parts(plan, indices, out, folder, n, bar, max_bytes)
         manifest = _commit(plan, [done[i] for i in sorted(done)], out, folder)
     except BaseException as e:  # nothing was swapped in: the old dataset stays as it was
         bar.close(complete=False)
         _remove_folder(out, folder)
+        _remove_created(fs, created)  # an --out this prepare made is not left behind empty
         if isinstance(e, Exception) and not isinstance(e, JaxjobError):
             _raise_write_error(out, e)
         raise

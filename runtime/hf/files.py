@@ -38,6 +38,17 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
+def new_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask: 0644 under umask 022."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next(int(ln.split()[1], 8) for ln in f if ln.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)  # no /proc (macOS): read it by setting it, then put it back
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_safetensors(
     tensors: dict[str, np.ndarray],
     hf_config: dict[str, Any],
@@ -45,8 +56,20 @@ def write_safetensors(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[str]:
-    """config.json + the tensors, sharded above `max_shard_bytes`; the file names written."""
-    out = Path(out_dir)
+    """config.json + the tensors, sharded above `max_shard_bytes`; the file names written.
+
+    Every file gets the mode the umask gives a new file (0644 under umask 022): the safetensors
+    writer goes through a 0600 temp file, and a config.json written over keeps its old mode."""
+    files = _write_safetensors(tensors, hf_config, Path(out_dir), max_shard_bytes)
+    mode = new_file_mode()
+    for f in files:
+        os.chmod(Path(out_dir) / f, mode)
+    return files
+
+
+def _write_safetensors(
+    tensors: dict[str, np.ndarray], hf_config: dict[str, Any], out: Path, max_shard_bytes: int
+) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
 

@@ -29,6 +29,7 @@ from runtime.observe import ledger as buckets
 from runtime.observe.ledger import TimeLedger
 from runtime.observe.profile import ProfileWindow
 from runtime.observe.sinks import MetricSinks
+from runtime.observe.startup_log import StartupLog
 from runtime.run import artifacts, owner
 from runtime.run.checkpoint import (
     CheckpointService,
@@ -78,6 +79,7 @@ class Run:
     global_shape: tuple[int, int, int]
     ledger: TimeLedger
     profile: ProfileWindow
+    say: StartupLog
     step: int = 0  # the last step completed in this attempt (what a failure is recorded at)
 
 
@@ -136,6 +138,7 @@ def _initial_state(
     mesh,
     ledger: TimeLedger,
     from_step: int | None = None,
+    say: StartupLog | None = None,
 ):
     """(state, shardings, start step, decay_steps, data state) for a fresh or resumed attempt.
 
@@ -153,6 +156,8 @@ def _initial_state(
         state = new_state(parts, provisional, shardings, cfg.run.seed)
         return state, shardings, 0, cfg.optimizer.schedule.decay_steps or total_steps, None
     start_step = ckpt.resolve("latest" if from_step is None else from_step)
+    if say is not None:
+        say(f"restoring checkpoint {start_step}")
     # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.
     check_compatible(ckpt.fingerprint(start_step), fp, step=start_step, reshard=reshard)
     try:
@@ -218,12 +223,14 @@ def _prepare(
     manifest,
     mesh,
     ledger: TimeLedger,
+    say: StartupLog,
     from_step: int | None = None,
 ) -> Run:
     fp = run_fingerprint(cfg, manifest)
+    say(f"building the model on a {_mesh_text(mesh)} mesh")
     parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
     state, state_sh, start_step, decay_steps, data_state = _initial_state(
-        cfg, resume, reshard, ckpt, fp, parts, mesh, ledger, from_step
+        cfg, resume, reshard, ckpt, fp, parts, mesh, ledger, from_step, say
     )
     tx, schedule = build_optimizer(cfg.optimizer, decay_steps)
     t = cfg.training
@@ -249,8 +256,14 @@ def _prepare(
         evaluator=Evaluator(cfg, manifest, parts, mesh), step_fn=step_fn, state=state,
         start_step=start_step, data_state=data_state, decay_steps=decay_steps, fingerprint=fp,
         batch_sharding=b_sh, global_shape=(t.gradient_accumulation_steps, t.global_batch_size, t.seq_len),
-        ledger=ledger, profile=ProfileWindow(cfg.profile, store, start_step), step=start_step,
+        ledger=ledger, profile=ProfileWindow(cfg.profile, store, start_step), say=say,
+        step=start_step,
     )  # fmt: skip
+
+
+def _mesh_text(mesh) -> str:
+    sizes = [f"{name} {size}" for name, size in mesh.shape.items() if size > 1]
+    return " x ".join(sizes) or f"{mesh.devices.size}-device"
 
 
 def train(
@@ -283,9 +296,12 @@ def _train(
 ) -> TrainResult:
     # Every second of this attempt from its process start goes to one bucket (goodput).
     ledger = TimeLedger()
+    say = StartupLog(None if jax.process_index() == 0 else False)
     configure_gcs_env()
     t_start = time.perf_counter()
+    say(f"opening run {cfg.run.id} in {cfg.run.output_uri}")
     store, resume = _open_run(cfg, resume, writer_index)
+    say("reading the data" if cfg.data.prepare is None else "reading the data (prepared on first use)")
     manifest = load_data(cfg.data, is_writer=store.is_writer)  # or a [[data.sources]] mixture
     check_for_run(manifest, cfg.data, cfg.model.vocab_size, cfg.training)
     mesh = build_mesh(cfg.mesh)
@@ -300,7 +316,7 @@ def _train(
     stop = StopAgreement(run_id=cfg.run.id, attempt=info.attempt if info else 0)
     try:
         run = _prepare(
-            cfg, source_toml, resume, reshard, store, ckpt, manifest, mesh, ledger, from_step
+            cfg, source_toml, resume, reshard, store, ckpt, manifest, mesh, ledger, say, from_step
         )
         # The agreement takes SIGTERM/SIGINT over before start-up lets go, so no signal finds
         # the default handler in between; a stop asked for during start-up (also one whose
@@ -375,6 +391,8 @@ def _loop(
             with ledger.timing(buckets.PROFILE):
                 profile.start(step, emit)
             first = step == run.start_step + 1
+            if first:
+                run.say(f"compiling the train step, then step {step}")
             ledger.switch(ledger.step_bucket(step, first_of_attempt=first))
             run.state, m = run.step_fn(run.state, batch)
             run.step = step
@@ -436,7 +454,7 @@ def _finish(
     with run.ledger.timing(buckets.EVAL):
         eval_metrics = (
             run.evaluator.maybe_run(step, run.state, run.art, emit, final=True)
-            if status == "completed"
+            if status != "interrupted"  # completed, or stopped by --max-steps
             else None
         )
     if save:

@@ -20,6 +20,7 @@ import click
 
 from jobspec.cli import run_group
 from jobspec.errors import ConfigError, JaxjobError
+from jobspec.evals import eval_text
 from jobspec.goodput import duration, goodput_line
 from jobspec.job_spec import JobSpec, check_mesh_fits
 from jobspec.load_job import job_schema, load_job
@@ -331,7 +332,8 @@ def render_cmd(
 @click.argument("run")
 @JSON_OPTION
 def status_cmd(run: str, as_json: bool) -> None:
-    """The backend's state of RUN and its progress (step, loss, last event) from its artifacts."""
+    """The backend's state of RUN and its progress (step, loss, evals, last event) from its
+    artifacts."""
     info = _status(Registry().lookup(run))
     if as_json:
         _print_json(info)
@@ -348,6 +350,10 @@ def status_cmd(run: str, as_json: bool) -> None:
     click.echo(f"progress    {_fmt_progress(progress)}")
     if progress.get("eta_s") is not None and info["state"] == "running":
         click.echo(f"eta         {duration(progress['eta_s'])} (at the recent step time)")
+    if progress.get("latest_eval"):
+        click.echo(f"latest eval {eval_text(progress['latest_eval'])}")
+    if progress.get("best_eval"):
+        click.echo(f"best eval   {eval_text(progress['best_eval'])}")
     if progress.get("goodput"):
         click.echo(f"goodput     {goodput_line(progress['goodput'])}")
     event = progress.get("last_event")

@@ -65,8 +65,11 @@ def prepare_note(m: dict[str, Any]) -> str:
 
 
 def read_progress(run_uri: str) -> dict[str, Any]:
-    """{"status", "step", "total_steps", "last_loss", "last_event", "goodput", "eta_s"};
-    {"error": …} when unreadable. The ETA is given while the run says it is running."""
+    """{"status", "step", "total_steps", "last_loss", "last_event", "goodput", "eta_s",
+    "latest_eval", "best_eval"} ({name, step, loss} of metrics/eval.jsonl's newest and lowest
+    rows, with a mixture's loss_per_source; jobspec.evals); {"error": …} when unreadable. The
+    ETA is given while the run says it is running."""
+    from jobspec.evals import eval_summary
     from jobspec.goodput import account
     from jobspec.storage import join, url_to_fs
 
@@ -75,16 +78,18 @@ def read_progress(run_uri: str) -> dict[str, Any]:
         manifest_path = join(root, "manifest.json")
         if not fs.exists(manifest_path):
             return {"status": None, "step": 0, "total_steps": None, "last_loss": None,
-                    "last_event": None, "goodput": None, "eta_s": None,
-                    "note": "no artifacts yet"}  # fmt: skip
+                    "last_event": None, "goodput": None, "eta_s": None, "latest_eval": None,
+                    "best_eval": None, "note": "no artifacts yet"}  # fmt: skip
         with fs.open(manifest_path, "rb") as f:
             manifest = json.loads(f.read())
         if manifest.get("kind") == "prepare":  # a prepare job has no steps: say where it stands
             return {"status": manifest.get("status"), "step": 0, "total_steps": None,
                     "last_loss": None, "last_event": None, "goodput": None, "eta_s": None,
+                    "latest_eval": None, "best_eval": None,
                     "note": prepare_note(manifest)}  # fmt: skip
         rows = _tail_rows(fs, join(root, "metrics/train.jsonl"))
         events = _all_rows(fs, join(root, "events.jsonl"))
+        evals = eval_summary(_all_rows(fs, join(root, "metrics/eval.jsonl")))
     except (JaxjobError, OSError, ValueError) as e:
         return {"error": f"cannot read {run_uri}: {e}"}
     row = rows[-1] if rows else None
@@ -97,4 +102,6 @@ def read_progress(run_uri: str) -> dict[str, Any]:
         "last_event": next((e for e in reversed(events) if e.get("event") != "ledger"), None),
         "goodput": account(events),
         "eta_s": eta_seconds(rows, manifest.get("total_steps")) if running else None,
+        "latest_eval": evals["latest"],
+        "best_eval": evals["best"],
     }

@@ -23,7 +23,7 @@ from launch.backend import Handle
 from launch.backends.local import LocalBackend
 from launch.registry import Registry
 
-from runs import read_jsonl, tiny_config
+from runs import read_jsonl, tiny_config, write_text_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,14 +95,31 @@ def state(tmp_path):
     kill_leftovers(s)
 
 
+# The finished run's mixture: the session's corpus and a smaller one cut into fewer documents.
+SOURCES = ("stdlib", "small")
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, prepared):
     """One 2-process run submitted with --wait, shared by the read-only tests below; it profiles
-    steps 7..8 and writes TensorBoard files."""
+    steps 7..8, writes TensorBoard files, and trains on a mixture of two sources with an eval
+    every 6 steps."""
+    from runtime.data.prepare import prepare_dataset
+
     tmp = tmp_path_factory.mktemp("launch")
     state = tmp / "state"
-    job = write_job(tmp, prepared, "tiny", steps=12, training={"log_every": 3},
-                    profile={"start_step": 7, "steps": 2}, metrics={"tensorboard": True})  # fmt: skip
+    small = str(write_text_corpus(tmp / "small-corpus", docs=6) / "*.txt")
+    prepare_dataset([small], "byte", str(tmp / "small"), val_fraction=0.3)
+    sources = [
+        {"manifest": prepared, "name": SOURCES[0], "weight": 0.6},
+        {"manifest": str(tmp / "small/manifest.json"), "name": SOURCES[1], "weight": 0.4},
+    ]
+    job = write_job(tmp, prepared, "tiny", steps=12, training={"log_every": 3, "eval_every": 6},
+                    profile={"start_step": 7, "steps": 2}, metrics={"tensorboard": True},
+                    data={"sources": sources}, evals=[{"name": "val", "batches": 2}])  # fmt: skip
+    spec = yaml.safe_load(job.read_text())
+    del spec["run"]["data"]["manifest"]  # the sources instead
+    job.write_text(yaml.safe_dump(spec))
     t0 = time.monotonic()
     try:
         r = launch("submit", str(job), "--wait", state=state)
@@ -137,6 +154,61 @@ def test_status_reports_succeeded_with_steps(finished):
 
 
 @pytest.mark.slow
+def test_status_shows_latest_and_best_eval_with_each_source(finished):
+    """`launch status` reads the evals from the run's artifacts; the 2-host mixture evals count
+    both hosts' rows of each source."""
+    from runtime.data.loader import eval_loader
+    from runtime.data.manifest import load_manifest
+    from runtime.data.mixture import Mixture
+
+    st = status(finished["run_id"], finished["state"])
+    rows = read_jsonl(Path(st["run_uri"]) / "metrics/eval.jsonl")
+    assert [r["step"] for r in rows] == [6, 12]
+
+    def brief(r: dict) -> dict:
+        return {"step": r["step"], "name": "val", "loss": r["loss"],
+                "loss_per_source": r["loss_per_source"]}  # fmt: skip
+
+    assert st["progress"]["latest_eval"] == brief(rows[-1])
+    assert st["progress"]["best_eval"] == brief(min(rows, key=lambda r: r["loss"]))
+
+    cfg = json.loads((Path(st["run_uri"]) / "config/resolved.json").read_text())
+    manifests = [load_manifest(s["manifest"]) for s in cfg["data"]["sources"]]
+    mix = Mixture(list(SOURCES), manifests, [0.6, 0.4])
+    loader = eval_loader(mix, "validation", 16, 8)
+    drawn = [n for b in range(2) for n in loader.provenance(b)["sources"]]
+    for r in rows:
+        tokens, per = r["token_count_per_source"], r["loss_per_source"]
+        assert tokens == {n: 16.0 * drawn.count(n) for n in SOURCES}  # every host's rows
+        assert sum(tokens.values()) == r["token_count"] == 2 * 8 * 16
+        mean = sum(per[n] * tokens[n] for n in SOURCES) / r["token_count"]
+        assert mean == pytest.approx(r["loss"], rel=1e-6)
+
+    human = launch("status", finished["run_id"], state=finished["state"]).stdout
+    last, low = rows[-1], min(rows, key=lambda r: r["loss"])
+    each = ", ".join(f"{n} {last['loss_per_source'][n]:.4f}" for n in SOURCES)
+    assert f"latest eval val {last['loss']:.4f} at step 12 ({each})" in human
+    assert f"best eval   val {low['loss']:.4f} at step {low['step']} (" in human
+
+
+def test_status_eval_is_the_newest_row_and_the_lowest(tmp_path):
+    """Latest is the newest eval row, best the lowest loss (the earliest of equal ones); a run
+    with no eval rows has neither. Read from the files alone, as `launch status` does."""
+    from launch.progress import read_progress
+
+    (tmp_path / "metrics").mkdir(parents=True)
+    (tmp_path / "manifest.json").write_text(json.dumps({"status": "running", "total_steps": 9}))
+    assert read_progress(str(tmp_path))["latest_eval"] is None
+    assert read_progress(str(tmp_path))["best_eval"] is None
+    rows = [{"step": 3, "name": "val", "loss": 3.0}, {"step": 6, "name": "val", "loss": 2.0},
+            {"step": 6, "name": "code", "loss": 2.0}, {"step": 9, "name": "val", "loss": 2.5}]  # fmt: skip
+    (tmp_path / "metrics/eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = read_progress(str(tmp_path))
+    assert p["latest_eval"] == {"step": 9, "name": "val", "loss": 2.5}
+    assert p["best_eval"] == {"step": 6, "name": "val", "loss": 2.0}
+
+
+@pytest.mark.slow
 def test_logs_prefix_every_line_with_its_host(finished):
     run_id, state = finished["run_id"], finished["state"]
     lines = launch("logs", run_id, "--all-hosts", state=state).stdout.splitlines()
@@ -145,7 +217,9 @@ def test_logs_prefix_every_line_with_its_host(finished):
     assert only1 and all(ln.startswith("[host 1] ") for ln in only1)
     tail = launch("logs", run_id, "--tail", "2", "--all-hosts", state=state).stdout.splitlines()
     assert sorted(ln[:8] for ln in tail) == ["[host 0]"] * 2 + ["[host 1]"] * 2
-    assert tail[-1].startswith("[host 1] ") and "step: 12" in tail[-1]
+    # Each host's last two lines: the last step, then the final eval.
+    assert tail[-2].startswith("[host 1] step: 12 ")
+    assert tail[-1].startswith("[host 1] eval val @ step 12 | loss: ")
     # --follow of a finished run prints everything and returns.
     follow = launch("logs", run_id, "--follow", "--all-hosts", state=state, timeout=30)
     assert follow.stdout.splitlines() == lines
@@ -323,12 +397,17 @@ def test_supervisor_gives_up_after_max_restarts(tmp_path):
 
 
 def test_supervisor_stops_survivors_with_sigterm_then_sigkill(tmp_path):
-    # Host 0 dies by a signal; host 1 ignores SIGTERM and must be killed after the grace.
+    # Host 0 dies by a signal once host 1 ignores SIGTERM (a file in their cwd says so; else
+    # the supervisor's SIGTERM could come first, on a loaded machine); host 1 must be killed
+    # after the grace.
     script = """
         import os, signal, time
         if os.environ["JAXJOB_PROCESS_ID"] == "0":
-            time.sleep(1.5); os.kill(os.getpid(), signal.SIGKILL)
+            while not os.path.exists("host-1-ignores-sigterm"):
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open("host-1-ignores-sigterm", "w").close()
         time.sleep(60)
     """
     t0 = time.monotonic()

@@ -248,6 +248,60 @@ def test_mixed_tokenizers_are_one_sentence(data, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_mixture_evals_report_each_source(data, tmp_path):
+    """An eval over a mixture reports each source's loss and counted tokens: their token-weighted
+    mean is the mixed loss, and each is the loss of an eval over that source's rows alone."""
+    from runtime.commands.offline import restore_checkpoint
+    from runtime.data.loader import eval_loader
+    from runtime.observe.sinks import eval_scalars
+    from runtime.run.inspect import inspect_run, render
+    from runtime.train.evaluate import Evaluator
+    from runtime.train.loop import train
+
+    weights = {"web": 0.6, "code": 0.4}
+    over = {"training": {"target_tokens": 16 * 8 * 2}, "evals": [{"name": "val", "batches": 2}]}
+    cfg = parse_run_config(_mix_config(data, tmp_path, "each", weights, **over))
+    lines: list[str] = []
+    assert train(cfg, "# test\n", emit=lines.append, resume=False).status == "completed"
+    [row] = read_jsonl(tmp_path / "each/metrics/eval.jsonl")  # the final eval, at step 2
+    per, tokens = row["loss_per_source"], row["token_count_per_source"]
+    assert list(per) == list(tokens) == list(row["loss_sum_per_source"]) == list(weights)
+    assert sum(tokens.values()) == row["token_count"] == 2 * 8 * 16
+    assert sum(row["loss_sum_per_source"].values()) == pytest.approx(row["loss_sum"], rel=1e-6)
+    mean = sum(per[n] * tokens[n] for n in weights) / sum(tokens.values())
+    assert mean == pytest.approx(row["loss"], rel=1e-6)
+    assert per["web"] != pytest.approx(per["code"], rel=1e-3)  # two sources, two figures
+
+    # The eval's rows of each source (read sequentially from its record 0) evaluated alone, in
+    # one batch of exactly that many rows, with the checkpoint's parameters.
+    rows = [s for b in range(2) for s in eval_loader(open_data(cfg.data), "validation", 16, 8)
+            .provenance(b)["sources"]]  # fmt: skip
+    restored = restore_checkpoint(str(tmp_path / "each"), "latest")
+    assert restored.step == 2
+    for name in weights:
+        alone = parse_run_config(tiny_config(data[name], str(tmp_path), run_id=f"only-{name}",
+                                             training={"global_batch_size": rows.count(name)}))  # fmt: skip
+        ev = Evaluator(alone, load_manifest(data[name]), restored.parts, restored.mesh)
+        got = ev.evaluate(restored.parts.params, "only", "validation", 1)
+        assert "loss_per_source" not in got  # one manifest: the row as before
+        assert got["token_count"] == tokens[name] == rows.count(name) * 16
+        assert got["loss"] == pytest.approx(per[name], rel=1e-5), name
+
+    # The console line, the sinks' scalars, and inspect show the sources too.
+    [line] = [ln for ln in lines if ln.startswith("eval val @ step 2 ")]
+    assert f"loss: {row['loss']:.3f} (web {per['web']:.3f}, code {per['code']:.3f}) |" in line
+    sc = eval_scalars(row)
+    assert sc["eval/val/loss"] == row["loss"] and sc["eval/val/loss/code"] == per["code"]
+    assert sc["eval/val/token_count/web"] == tokens["web"]
+    assert not any("per_source" in k for k in sc)
+    report = inspect_run(str(tmp_path / "each"))
+    assert report["latest_eval"] == report["best_eval"]
+    assert report["best_eval"] == {"step": 2, "name": "val", "loss": row["loss"],
+                                   "loss_per_source": per}  # fmt: skip
+    assert f"best eval    val {row['loss']:.4f} at step 2 (web {per['web']:.4f}, " in render(report)
+
+
+@pytest.mark.slow
 def test_mixture_training_resumes_exactly(data, tmp_path, capsys, monkeypatch):
     from runtime.commands.offline import eval_checkpoint, sample_checkpoint
     from runtime.commands.preflight import preflight

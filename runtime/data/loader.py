@@ -2,8 +2,9 @@
 
 Public API:
     TokenBatches(manifest, split, seq_len, global_batch_size, accum=1, order="shuffle", seed=0,
-                 process_index=0, process_count=1, prefetch=2, fields=())
-                                      manifest: a Manifest, or a Mixture (mixture.py)
+                 process_index=0, process_count=1, prefetch=2, fields=(), row_sources=False)
+                                      manifest: a Manifest, or a Mixture (mixture.py); with
+                                      row_sources a mixture's batches add `source` (below)
         .iterate(start_step=0, stop_step=None) -> BatchIterator   Grain-backed, prefetching
         .read_step(step) -> dict[str, np.ndarray]                 this process's arrays, no Grain
         .record_ids(step) -> np.ndarray                           the step's R global record ids
@@ -32,7 +33,9 @@ The loader picks a record source (sources.py: the rows of record ids) and a reco
 j = 0..R-1 (R = global_batch_size × accum) = samples s*R + j, so the batch depends on (manifest,
 split, order, seed, seq_len, R, step) only, never on the process count. Process p of P reads
 microbatch m, local row r = global row m*global_batch_size + p*(gbs/P) + r. The batch dict holds
-the source's arrays shaped [accum, global_batch_size // P, seq_len].
+the source's arrays shaped [accum, global_batch_size // P, seq_len]; an eval loader of a mixture
+(row_sources) adds `source`, int32 of the same shape: each position's source index (the order of
+the mixture's names), so an eval can report a loss per source.
 
 State. Grain iterates a MapDataset whose index is the step, so Grain's own iterator state
 {"next_index": step} is exact; get_state() wraps it with the identity of the order (fingerprint,
@@ -123,6 +126,7 @@ class TokenBatches:
         process_count: int = 1,
         prefetch: int = 2,
         fields: tuple[str, ...] = (),
+        row_sources: bool = False,
     ):
         sizes = (seq_len, global_batch_size, accum)
         _check_layout(manifest, order, fields)
@@ -134,6 +138,7 @@ class TokenBatches:
         self.fields = tuple(fields)
         self._iterators: weakref.WeakSet[BatchIterator] = weakref.WeakSet()
         self.mixture = manifest if isinstance(manifest, Mixture) else None
+        self.row_sources = row_sources and self.mixture is not None
         self.source: RecordSource
         self.record_order: RecordOrder
         if isinstance(manifest, Mixture):
@@ -187,7 +192,13 @@ class TokenBatches:
 
     def read_step(self, step: int, ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """This process's [accum, local_rows, seq_len] arrays for `step` (what Grain maps)."""
-        return self.source.read((self.record_ids(step) if ids is None else ids)[self._local_j])
+        local = (self.record_ids(step) if ids is None else ids)[self._local_j]
+        out = self.source.read(local)
+        if self.row_sources:
+            assert self.mixture is not None
+            src, _ = decode(local, len(self.mixture.names))
+            out["source"] = np.repeat(src[..., None].astype(np.int32), self.seq_len, axis=-1)
+        return out
 
     def _element(self, step: int) -> dict[str, Any]:
         ids = self.record_ids(step)
@@ -346,7 +357,8 @@ def eval_loader(
 ) -> TokenBatches:
     """The fixed eval order of a split: sequential global batches, accum 1. Build it once and
     call `.iterate(0, num_batches)` for every eval. A mixture's eval reads every source's split,
-    each sequentially, interleaved by weight in the blocks of seed 0: fixed across evals and runs."""
+    each sequentially, interleaved by weight in the blocks of seed 0: fixed across evals and runs;
+    its batches carry `source`, each position's source index, for the loss per source."""
     return TokenBatches(
         manifest,
         split,
@@ -357,6 +369,7 @@ def eval_loader(
         process_index=process_index,
         process_count=process_count,
         prefetch=prefetch,
+        row_sources=True,
     )
 
 

@@ -44,8 +44,19 @@ def scalars(row: dict[str, Any], prefix: str) -> dict[str, float]:
     return out
 
 
+PER_SOURCE = "_per_source"  # a mixture eval's tables: loss_per_source, token_count_per_source, …
+
+
 def eval_scalars(row: dict[str, Any]) -> dict[str, float]:
-    return scalars(row, f"eval/{row.get('name', 'eval')}")
+    """`eval/<name>/<field>`; a mixture eval's `<field>_per_source` tables beside their total,
+    `eval/<name>/<field>/<source>` (eval/val/loss and eval/val/loss/web, …)."""
+    prefix = f"eval/{row.get('name', 'eval')}"
+    flat = {k: v for k, v in row.items() if not (k.endswith(PER_SOURCE) and isinstance(v, dict))}
+    out = scalars(flat, prefix)
+    for k, v in row.items():
+        if k not in flat:
+            out.update(scalars(v, f"{prefix}/{k.removesuffix(PER_SOURCE)}"))
+    return out
 
 
 class _Sink:

@@ -17,6 +17,7 @@ import numpy as np
 
 from jobspec import goodput
 from jobspec.accelerators import peak_bf16_flops
+from jobspec.evals import eval_summary
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
 from runtime.host import boot
@@ -264,13 +265,8 @@ class RunArtifacts:
         }
         if self.writer:
             evals = self.store.read_jsonl(EVAL_METRICS) if self.store.exists(EVAL_METRICS) else []
-            if evals:
-                best = min(evals, key=lambda r: r["loss"])
-                summary["best_eval"] = {
-                    "step": best["step"],
-                    "name": best["name"],
-                    "loss": best["loss"],
-                }
+            if best := eval_summary(evals)["best"]:  # as inspect and `launch status` say it
+                summary["best_eval"] = best
             rows = self.store.read_jsonl(TRAIN_METRICS) if self.store.exists(TRAIN_METRICS) else []
             timed = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
             if timed:

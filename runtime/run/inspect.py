@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from jobspec.errors import StorageError
+from jobspec.evals import eval_summary, eval_text
 from jobspec.goodput import account, goodput_line
 from jobspec.storage import configure_gcs_env
 from runtime.run.artifacts import EVAL_METRICS, EVENTS, TRAIN_METRICS
@@ -33,7 +34,7 @@ def inspect_run(run: str) -> dict[str, Any]:
     )
     timed = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)
     last = rows[-1] if rows else None
-    best = min(evals, key=lambda r: r["loss"]) if evals else None
+    latest_best = eval_summary(evals)  # as `launch status` says them
     return {
         "run": store.uri(""),
         "run_id": manifest.get("run_id"),
@@ -43,7 +44,8 @@ def inspect_run(run: str) -> dict[str, Any]:
         "tokens": last["tokens"] if last else 0,
         "first_loss": rows[0]["loss"] if rows else None,
         "last_loss": last["loss"] if last else None,
-        "best_eval": {k: best[k] for k in ("step", "name", "loss")} if best else None,
+        "latest_eval": latest_best["latest"],
+        "best_eval": latest_best["best"],
         "tokens_per_s_median": timed[len(timed) // 2] if timed else None,
         "mfu_last": next((r["mfu"] for r in reversed(rows) if "mfu" in r), None),
         "checkpoints": [c["step"] for c in index.get("checkpoints", [])],
@@ -71,9 +73,10 @@ def render(r: dict[str, Any]) -> str:
         f"steps        {r['steps']} / {fmt(r['total_steps'])}   tokens {r['tokens']:,}",
         f"loss         first {fmt(r['first_loss'], '.4f')}  last {fmt(r['last_loss'], '.4f')}",
     ]
+    if r["latest_eval"]:
+        lines.append(f"latest eval  {eval_text(r['latest_eval'])}")
     if r["best_eval"]:
-        b = r["best_eval"]
-        lines.append(f"best eval    {b['name']} {b['loss']:.4f} at step {b['step']}")
+        lines.append(f"best eval    {eval_text(r['best_eval'])}")
     lines.append(
         f"throughput   {fmt(r['tokens_per_s_median'], ',.0f')} tokens/s (median)"
         + (f", MFU {100 * r['mfu_last']:.1f}%" if r["mfu_last"] is not None else "")

@@ -1,4 +1,10 @@
-"""Evals from `[[evals]]`: a fixed, deterministic set of batches, losses as sums and counts."""
+"""Evals from `[[evals]]`: a fixed, deterministic set of batches, losses as sums and counts.
+
+Over a `[[data.sources]]` mixture a row also holds each source's figures, keyed by its name:
+`loss_per_source` (None for a source with no counted token), `loss_sum_per_source` and
+`token_count_per_source`. They are summed in the eval step over the global batch, as the totals
+are, so they cover every host's rows, and the sources' sums add up to the totals.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import jax
 
 from jobspec.run_config import RunConfig
 from runtime.data.loader import TokenBatches, eval_loader
+from runtime.data.mixture import Mixture
 from runtime.model.sharding import batch_sharding, on_mesh, replicated
 from runtime.run.artifacts import now
 from runtime.train.metrics import eval_line
@@ -18,9 +25,11 @@ class Evaluator:
         self.others = parts.others
         self.b_sh = batch_sharding(mesh, 3, leading=1)
         rep = replicated(mesh)
+        self.sources = list(manifest.names) if isinstance(manifest, Mixture) else []
+        step = make_eval_step(parts.graphdef, cfg.training.loss_chunk_size, len(self.sources))
         self.step_fn = jax.jit(
             # Under the mesh like the train step: the same constraints and attention kernels.
-            on_mesh(make_eval_step(parts.graphdef, cfg.training.loss_chunk_size), mesh),
+            on_mesh(step, mesh),
             in_shardings=(parts.param_shardings, rep, self.b_sh),
             out_shardings=rep,
         )
@@ -59,7 +68,7 @@ class Evaluator:
         got = jax.device_get(sums)
         loss_sum = float(sum(s["loss_sum"] for s in got))
         count = float(sum(s["token_count"] for s in got))
-        return {
+        out = {
             "name": name,
             "split": split,
             "loss": loss_sum / max(count, 1.0),
@@ -67,6 +76,9 @@ class Evaluator:
             "token_count": count,
             "batches": len(got),
         }
+        if self.sources:
+            out.update(per_source(self.sources, got))
+        return out
 
     def due(self, step: int) -> bool:
         """Whether `step` is a periodic eval (`training.eval_every`; the final one is `final`)."""
@@ -89,6 +101,20 @@ class Evaluator:
             row = {"step": step, "time": now(), **result}
             run_art.eval_row(row)
             run_art.event("eval", step=step, name=e.name, loss=row["loss"])
-            emit(eval_line(step, e.name, row["loss"], row["token_count"]))
+            emit(eval_line(step, e.name, row["loss"], row["token_count"],
+                           row.get("loss_per_source")))  # fmt: skip
             losses[e.name] = row["loss"]
         return losses
+
+
+def per_source(names: list[str], got: list[dict]) -> dict[str, dict[str, float | None]]:
+    """The per-source fields of a row from the eval step's sums over its batches."""
+    sums = [float(sum(s["loss_sum_per_source"][j] for s in got)) for j in range(len(names))]
+    counts = [float(sum(s["token_count_per_source"][j] for s in got)) for j in range(len(names))]
+    return {
+        "loss_per_source": {
+            n: (ls / c if c > 0 else None) for n, ls, c in zip(names, sums, counts, strict=True)
+        },
+        "loss_sum_per_source": dict(zip(names, sums, strict=True)),
+        "token_count_per_source": dict(zip(names, counts, strict=True)),
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -158,17 +159,76 @@ def hidden_loss_sums(
         if advantages is None or old_logprobs is None:
             raise ValueError("clipped_pg needs advantages and old_logprobs")
         tok |= {"advantages": advantages, "old_logprobs": old_logprobs}
+    zero = jnp.zeros((), jnp.float32)
+
+    def sums(logits: jax.Array, tc: dict[str, jax.Array]) -> LossSums:
+        return _objective_sums(logits, tc, objective, clip_eps, softcap)
+
+    return _chunked_sums(h, kernel, tok, chunk_size, sums, (zero, zero, zero))
+
+
+def hidden_group_sums(
+    h: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    mask: jax.Array,
+    groups: jax.Array,
+    num_groups: int,
+    *,
+    chunk_size: int = 0,
+    softcap: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Cross-entropy as `hidden_loss_sums` (the same chunks, the same sums), and also split by
+    group: (loss sum, count, loss sum per group [G], count per group [G]), where groups [B, T]
+    holds each position's group in 0..num_groups-1 (an eval's rows: their mixture source).
+
+    The totals are the very sums `hidden_loss_sums` makes; each group's are summed from the same
+    per-token losses by selection (no matmul, so no reduced-precision passes), and the groups'
+    sums add up to the totals up to float32 rounding."""
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+    ids = jnp.arange(num_groups)
+
+    def sums(logits: jax.Array, tc: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+        if softcap is not None:
+            logits = apply_softcap(logits, softcap)
+        # As cross_entropy_sums: where(), not a product, so a masked inf or nan never leaks.
+        mask = tc["mask"].astype(jnp.float32)
+        per_token = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), tc["targets"]
+        )
+        per_token = jnp.where(mask > 0, per_token, 0.0)
+        in_group = tc["groups"][..., None] == ids  # [B, T, G]
+        by_group = jnp.sum(jnp.where(in_group, per_token[..., None], 0.0), axis=(0, 1))
+        counts = jnp.sum(jnp.where(in_group, mask[..., None], 0.0), axis=(0, 1))
+        return jnp.sum(per_token), jnp.sum(mask), by_group, counts
+
+    zero, zeros = jnp.zeros((), jnp.float32), jnp.zeros((num_groups,), jnp.float32)
+    tok = {"targets": targets, "mask": mask, "groups": groups}
+    return _chunked_sums(h, kernel, tok, chunk_size, sums, (zero, zero, zeros, zeros))
+
+
+def _chunked_sums(
+    h: jax.Array,
+    kernel: jax.Array,
+    tok: dict[str, jax.Array],
+    chunk_size: int,
+    sums: Callable[[jax.Array, dict[str, jax.Array]], tuple[jax.Array, ...]],
+    zeros: tuple[jax.Array, ...],
+) -> tuple[jax.Array, ...]:
+    """`sums(logits, tok)` of the logits h @ kernel, `chunk_size` positions at a time (see
+    `hidden_loss_sums`), added up chunk by chunk from `zeros` (shaped like `sums`' result)."""
     b, t, _ = h.shape
     if chunk_size <= 0 or chunk_size >= t:
         h = constrain(h, ("batch", "length", "embed"))
-        return _objective_sums(head_logits(h, kernel), tok, objective, clip_eps, softcap)
+        return sums(head_logits(h, kernel), tok)
 
     dtype = kernel.dtype
 
     @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
-    def chunk(w: jax.Array, hc: jax.Array, tc: dict[str, jax.Array]) -> LossSums:
+    def chunk(w: jax.Array, hc: jax.Array, tc: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
         hc = constrain(hc, ("batch", "length", "embed"))
-        return _objective_sums(head_logits(hc, w.astype(dtype)), tc, objective, clip_eps, softcap)
+        return sums(head_logits(hc, w.astype(dtype)), tc)
 
     w = kernel.astype(jnp.promote_types(dtype, jnp.float32))
     n = t // chunk_size
@@ -178,12 +238,11 @@ def hidden_loss_sums(
         x = x[:, :full].reshape(b, n, chunk_size, *x.shape[2:])
         return jnp.moveaxis(x, 1, 0)
 
-    def body(acc: LossSums, xs: tuple) -> tuple[LossSums, None]:
+    def body(acc: tuple, xs: tuple) -> tuple[tuple, None]:
         return tuple(a + s for a, s in zip(acc, chunk(w, *xs), strict=True)), None
 
-    zero = jnp.zeros((), jnp.float32)
-    sums, _ = jax.lax.scan(body, (zero, zero, zero), (split(h), jax.tree.map(split, tok)))
+    acc, _ = jax.lax.scan(body, zeros, (split(h), jax.tree.map(split, tok)))
     if full < t:
         rest = chunk(w, h[:, full:], jax.tree.map(lambda x: x[:, full:], tok))
-        sums = tuple(a + s for a, s in zip(sums, rest, strict=True))
-    return sums
+        acc = tuple(a + s for a, s in zip(acc, rest, strict=True))
+    return acc

@@ -60,5 +60,15 @@ def live_line(row: dict) -> str:
     return " | ".join(parts)
 
 
-def eval_line(step: int, name: str, loss: float, tokens: float) -> str:
-    return f"eval {name} @ step {step} | loss: {loss:.3f} | tokens: {tokens:,.0f}"
+def eval_line(
+    step: int, name: str, loss: float, tokens: float, per_source: dict | None = None
+) -> str:
+    """`eval validation @ step 300 | loss: 2.267 | tokens: 8,192`; over a mixture the sources'
+    losses follow the mixed one: `loss: 2.267 (web 2.310, code 1.870)` (`-`: no tokens)."""
+    mixed = f"{loss:.3f}"
+    if per_source:
+        each = ", ".join(
+            f"{n} {'-' if v is None else format(v, '.3f')}" for n, v in per_source.items()
+        )
+        mixed += f" ({each})"
+    return f"eval {name} @ step {step} | loss: {mixed} | tokens: {tokens:,.0f}"

@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 
 from runtime.model.moe import load_max_over_mean, update_router_bias
-from runtime.train.loss import hidden_loss_sums
+from runtime.train.loss import hidden_group_sums, hidden_loss_sums
 from runtime.train.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -160,13 +160,20 @@ def make_train_step(
 
 
 def make_eval_step(
-    graphdef: nnx.GraphDef, loss_chunk_size: int = 0
+    graphdef: nnx.GraphDef, loss_chunk_size: int = 0, num_sources: int = 0
 ) -> Callable[[Any, tuple, Batch], dict[str, jax.Array]]:
     """Loss sums over one [accum, rows, seq_len] batch (accum is 1 for evals); the logits are
     made `loss_chunk_size` positions at a time as in the train step (0 = whole sequence).
 
+    num_sources > 0 (an eval over a `[[data.sources]]` mixture): the batch also carries `source`
+    (int32, shaped like the tokens: each position's source index), and the sums add
+    `loss_sum_per_source` and `token_count_per_source` [num_sources]. Like the totals they are
+    sums over the global batch, so every process gets the same, whole figures.
+
     `others` (the non-Param model state) is an argument, not closed over: an MoE run's router
     biases move with training, and the train step donates the arrays it was given."""
+    if num_sources:
+        return _grouped_eval_step(graphdef, loss_chunk_size, num_sources)
 
     def eval_step(params: Any, others: tuple, batch: Batch) -> dict[str, jax.Array]:
         def micro(carry, mb):
@@ -175,5 +182,40 @@ def make_eval_step(
 
         (loss_sum, count), _ = jax.lax.scan(micro, (jnp.zeros(()), jnp.zeros(())), batch)
         return {"loss_sum": loss_sum, "token_count": count}
+
+    return eval_step
+
+
+def _grouped_eval_step(
+    graphdef: nnx.GraphDef, loss_chunk_size: int, num_sources: int
+) -> Callable[[Any, tuple, Batch], dict[str, jax.Array]]:
+    """`make_eval_step` with the sums also split by each position's `source`."""
+
+    def eval_step(params: Any, others: tuple, batch: Batch) -> dict[str, jax.Array]:
+        def micro(carry, mb):
+            model = nnx.merge(graphdef, params, *others)
+            h, _ = model.forward_hidden(mb["inputs"], mb["positions"], mb["segment_ids"])
+            sums = hidden_group_sums(
+                h,
+                model.head_kernel(),
+                mb["targets"],
+                mb["loss_mask"],
+                mb["source"],
+                num_sources,
+                chunk_size=loss_chunk_size,
+                softcap=model.logit_softcap,
+            )
+            return tuple(a + s for a, s in zip(carry, sums, strict=True)), None
+
+        zero, zeros = jnp.zeros((), jnp.float32), jnp.zeros((num_sources,), jnp.float32)
+        (loss_sum, count, by_source, counts), _ = jax.lax.scan(
+            micro, (zero, zero, zeros, zeros), batch
+        )
+        return {
+            "loss_sum": loss_sum,
+            "token_count": count,
+            "loss_sum_per_source": by_source,
+            "token_count_per_source": counts,
+        }
 
     return eval_step

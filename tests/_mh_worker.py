@@ -50,6 +50,9 @@ def make_step():
 
 
 def cluster(args: argparse.Namespace) -> int:
+    import jax  # noqa: F401 - imported here, so the line below is when boot's own clock starts
+
+    emit("booting", monotonic=time.monotonic())
     info = boot.boot(timeout_s=args.timeout, heartbeat_timeout_s=60)
     writers = {}
     for a in [int(x) for x in args.attempts.split(",")]:

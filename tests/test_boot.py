@@ -141,15 +141,20 @@ def test_writer_is_reagreed_per_attempt() -> None:
 
 
 def _run_alone(process_id: int, timeout_s: int) -> tuple[subprocess.CompletedProcess[str], float]:
-    """One host of a 2-host cluster whose other host (and for process 1, coordinator) is absent."""
+    """One host of a 2-host cluster whose other host (and for process 1, coordinator) is absent,
+    and the seconds from its boot's start (after Python and jax were imported, which a loaded
+    machine makes slow) until it had ended."""
     env = host_env(process_id, 2, 1, f"127.0.0.1:{free_port()}")
     env["PYTHONPATH"] = str(REPO)
-    started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(WORKER), "cluster", "--timeout", str(timeout_s)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s + 60,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s + 120,
     )  # fmt: skip
-    return proc, time.monotonic() - started
+    ended = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process here
+    booting = [json.loads(ln[3:]) for ln in proc.stdout.splitlines() if ln.startswith("MH ")]
+    starts = [r["monotonic"] for r in booting if r["kind"] == "booting"]
+    assert starts, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, ended - starts[0]
 
 
 def test_unreachable_coordinator_is_one_sentence() -> None:
@@ -158,6 +163,7 @@ def test_unreachable_coordinator_is_one_sentence() -> None:
     assert "could not reach the coordinator at 127.0.0.1:" in proc.stderr
     assert "within 5 s (JAXJOB_COORDINATOR); check that process 0 is running" in proc.stderr
     assert "Check failure" not in proc.stderr and "Traceback" not in proc.stderr
+    # From boot's start: its 5 s, before JAX's own deadline (10 s later) would have come.
     assert elapsed < 5 + 10, elapsed
 
 
@@ -174,8 +180,7 @@ def test_signal_on_one_host_stops_all_at_the_same_step(sig: signal.Signals) -> N
     with start_hosts(["loop", "--watchdog", "20"], 2, 2, script=WORKER) as hosts:
         for i in (0, 1):
             hosts.wait_for_output(i, "READY", timeout=60)
-        time.sleep(0.5)
-        hosts.signal(1, sig)
+        hosts.signal(1, sig)  # both are in the loop of 100,000 steps: it cannot end first
         results = hosts.wait(timeout=60)
     stops = []
     for r in results:
@@ -192,7 +197,6 @@ def test_sigkill_of_a_host_ends_the_survivor_with_a_named_host() -> None:
     with start_hosts(["loop", "--watchdog", str(bound)], 2, 2, script=WORKER) as hosts:
         for i in (0, 1):
             hosts.wait_for_output(i, "READY", timeout=60)
-        time.sleep(0.5)
         killed = time.monotonic()
         hosts.kill(1)
         (survivor,) = hosts.wait(timeout=bound + 30, only=[0])
@@ -200,7 +204,8 @@ def test_sigkill_of_a_host_ends_the_survivor_with_a_named_host() -> None:
     print(f"host 0 exited {took:.1f} s after host 1 was killed (rc {survivor.returncode})")
     assert survivor.returncode == EXIT_HOST_LOST, survivor.output[-3000:]
     assert "host 1 of 2 stopped responding (no heartbeat for 10 s); exiting" in survivor.stderr
-    assert took < bound + 5
+    # Our watchdog's bound, not JAX's heartbeat timeout (120 s), with room for a loaded machine.
+    assert took < bound + 20
 
 
 def test_sigkill_of_the_coordinator_host_ends_the_others() -> None:
@@ -215,7 +220,7 @@ def test_sigkill_of_the_coordinator_host_ends_the_others() -> None:
     took = survivor.elapsed - (killed - hosts.started)
     print(f"host 1 exited {took:.1f} s after host 0 was killed (rc {survivor.returncode})")
     assert survivor.returncode not in (None, 0), survivor.output[-3000:]
-    assert took < 15
+    assert took < 30  # at once, give or take a loaded machine; a hang is cut at 40 s
 
 
 def test_a_host_that_finished_is_not_reported_lost() -> None:

@@ -194,12 +194,14 @@ def test_goodput_accounts_for_all_wall_time(two_attempts):
         (start, e["recorded_at"]) for start, e in ledgers.items()
     )
     assert g["wall_s"] == pytest.approx(last2 - start1, abs=0.01)  # recorded to the ms
-    # ... each process start is when the test started it (/proc's boot time is whole seconds),
-    # and each attempt's last record is at its end: only the interpreter's teardown follows.
+    # ... each process start is when the test started it (/proc's boot time is whole seconds;
+    # the fork may come a little late on a loaded machine, but not after jax's import, seconds
+    # later), and each attempt's last record is at its end: only the closing of the sinks and
+    # the interpreter's teardown follow (slow on a loaded machine, so the bound is generous).
     for start, last, began, ended in zip((start1, start2), (last1, last2), a["starts"],
                                          a["exits"], strict=True):  # fmt: skip
-        assert began - 1.0 <= start <= began + 1.0
-        assert 0 <= ended - last < 5.0
+        assert began - 1.0 <= start <= began + 2.0
+        assert 0 <= ended - last < 30.0
     s = g["seconds"]
     assert s["lost"] >= a["gap"]  # the restart's lost time is shown
     assert s["productive"] > 0 and s["compile"] > 0 and s["startup"] > 0 and s["eval"] > 0

@@ -103,7 +103,9 @@ def test_an_alias_bomb_is_refused_at_once(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as e:
         load_job(path)
-    assert time.monotonic() - t0 < 0.5
+    # A few ms here; expanding the 9^9 values would take minutes and gigabytes. The bound
+    # leaves room for a loaded machine that schedules this process late.
+    assert time.monotonic() - t0 < 5
     assert str(e.value).startswith(f"{path}: line ")
     assert f"more than {MAX_ALIAS_NODES:,} values (an alias bomb?)" in str(e.value)
     res = launch(tmp_path / "state", "render", str(path), "--backend", "k8s", timeout=30)

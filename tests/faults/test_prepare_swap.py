@@ -3,7 +3,9 @@ text, a full disk, Ctrl-C) leaves the dataset already there byte-identical."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import signal
 import subprocess
 import sys
@@ -84,30 +86,74 @@ def test_full_disk_mid_prepare_leaves_the_old_dataset(tmp_path, small_fs):
     assert check.returncode == 0, check.stderr
 
 
+def _has_open(pid: int, path: Path) -> bool:
+    """Whether process `pid` has the file at `path` open (/proc/<pid>/fd links name it)."""
+    want, fds = os.path.realpath(path), f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fds)
+    except FileNotFoundError:  # it has ended
+        return False
+    for name in names:
+        try:
+            if os.readlink(f"{fds}/{name}") == want:
+                return True
+        except FileNotFoundError:  # closed meanwhile
+            continue
+    return False
+
+
 def test_interrupted_prepare_leaves_the_old_dataset(tmp_path):
+    """Ctrl-C at the last moment before the commit: every new shard is written and the prepare
+    is writing manifest.json.tmp (renamed over manifest.json once whole). That file is a FIFO
+    whose buffer the test keeps full, so the write waits until the test has sent SIGINT."""
     out = tmp_path / "ds"
     assert _prepare(str(_texts(tmp_path / "a", 4, 500) / "*.txt"), str(out)).returncode == 0
     before = _tree(out)
-    big = _texts(tmp_path / "big", 40, 400_000)
-    cmd = [sys.executable, "-m", "runtime", "data", "prepare", "--input", str(big / "*.txt")]
-    proc = subprocess.Popen(
-        [*cmd, "--tokenizer", "byte", "--out", str(out), "--val-fraction", "0"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    # Interrupt once the new shard folder has its first shard.
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if any(
-            p.name.endswith(".bin") for p in out.rglob("*") if str(p.relative_to(out)) not in before
-        ):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the prepare ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    pending = out / "manifest.json.tmp"
+    os.mkfifo(pending)
+    # Open for reading and writing (Linux opens a FIFO so without waiting for a partner), and
+    # filled: the prepare's open returns at once and its write blocks until the test reads.
+    fifo = os.open(pending, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(fifo, b"\0" * 4096)
+        big = _texts(tmp_path / "big", 8, 100_000)
+        cmd = [sys.executable, "-m", "runtime", "data", "prepare", "--input", str(big / "*.txt")]
+        proc = subprocess.Popen(
+            [*cmd, "--tokenizer", "byte", "--out", str(out), "--val-fraction", "0"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 180
+            while not _has_open(proc.pid, pending):
+                assert proc.poll() is None, ("it ended before its commit", proc.communicate())
+                assert time.monotonic() < deadline, "it did not reach its commit in 180 s"
+                time.sleep(0.05)
+            new = [p for p in out.rglob("*.bin") if str(p.relative_to(out)) not in before]
+            assert new, "the new shards are written before the manifest"
+            proc.send_signal(signal.SIGINT)
+            # Its clean-up closes the file, which flushes the write again: read until it ended.
+            while proc.poll() is None:
+                assert time.monotonic() < deadline + 120, "it did not end after SIGINT"
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(fifo, 65536):
+                        pass
+                time.sleep(0.05)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    finally:
+        os.close(fifo)
+    assert proc.returncode == 130, err
     assert "Traceback" not in err, err
     assert _tree(out) == before
+    # The new shard folder is gone (the FIFO, no regular file, is not in the tree).
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        {k.split("/")[0] for k in before} | {pending.name}
+    )
 
 
 @pytest.mark.gcs

@@ -193,7 +193,9 @@ def test_second_process_on_a_run_is_refused_and_changes_nothing(where, tmp_path,
     uri = (
         str(tmp_path / "runs") if where == "local" else request.getfixturevalue("orbax_gs_run_uri")
     )
-    cfg = _cfg(tmp_path, prepared, uri)
+    # The first run would train for hours: it is still training (and owns the run) whenever the
+    # test freezes it, however late a loaded machine lets the test look; SIGTERM ends it after.
+    cfg = _cfg(tmp_path, prepared, uri, training={"target_tokens": 16 * 8 * 100_000})
     root = f"{uri}/t"
     first = _start(cfg)
     try:
@@ -204,6 +206,8 @@ def test_second_process_on_a_run_is_refused_and_changes_nothing(where, tmp_path,
             refused.append(run_cli("local", str(cfg), "--resume"))
         after = _snapshot(root)
         first.send_signal(signal.SIGCONT)
+        _wait_for_rows(root, len(_losses(root)) + 1, first)  # it goes on where it was
+        first.send_signal(signal.SIGTERM)
         out, err = first.communicate(timeout=240)
     finally:
         if first.poll() is None:
@@ -220,13 +224,14 @@ def test_second_process_on_a_run_is_refused_and_changes_nothing(where, tmp_path,
             "wait for it to finish or use another run.id"
         ], r.stderr
     assert after == before  # not one byte of the run changed (metrics, events, checkpoints)
-    assert first.returncode == 0, err
-    # The first run's results are its own alone: every step once, one start, one finish.
-    assert [step for step, _ in _losses(root)] == list(range(1, STEPS + 1))
+    assert first.returncode == 42, err  # stopped by the SIGTERM, with a checkpoint
+    # The first run's results are its own alone: every step once, one start, one end.
+    steps = [step for step, _ in _losses(root)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > 3
     fs, path = url_to_fs(root)
     fs.invalidate_cache()
     kinds = [json.loads(x)["event"] for x in read_parted(fs, f"{path}/events.jsonl").splitlines()]
-    assert kinds.count("start") == 1 and kinds.count("finish") == 1, kinds
+    assert kinds.count("start") == 1 and kinds[-1] == "interrupted", kinds
     assert not fs.exists(f"{path}/owner.json")  # released at the end
 
 
@@ -256,12 +261,12 @@ def test_dead_owners_claim_is_taken_over(tmp_path, prepared):
     assert "took over from host gpu-node-7 pid 4242: its lease was last renewed" in err
     assert json.loads((root / "owner.json").read_text())["pid"] == first.pid
 
-    t0 = time.monotonic()
     r = run_cli("local", str(cfg), "--max-steps", "2")
     assert r.returncode == 0, r.stderr
-    assert time.monotonic() - t0 < 55  # the pid check let it in, not the lease
+    # The pid check let it in, not the lease (its reason would name the lease's age): a reason,
+    # not a clock, so a loaded machine that starts slowly cannot make it pass or fail.
     assert f"took over from host {socket.gethostname()} pid {first.pid}" in r.stderr
-    assert "has exited" in r.stderr
+    assert "has exited" in r.stderr and "lease was last renewed" not in r.stderr
     assert not (root / "owner.json").exists()
 
 

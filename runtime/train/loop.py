@@ -229,16 +229,19 @@ def _prepare(
     fp = run_fingerprint(cfg, manifest)
     say(f"building the model on a {_mesh_text(mesh)} mesh")
     parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
+    say("creating the optimizer state" if not resume else "reading the checkpoint index")
     state, state_sh, start_step, decay_steps, data_state = _initial_state(
         cfg, resume, reshard, ckpt, fp, parts, mesh, ledger, from_step, say
     )
     tx, schedule = build_optimizer(cfg.optimizer, decay_steps)
     t = cfg.training
+    say("opening the data loader")
     batches = train_batches(
         manifest, cfg.data, t, cfg.run.seed, jax.process_index(), jax.process_count()
     )
     b_sh = batch_sharding(mesh, 3, leading=1)
     step_fn = train_program(cfg, parts, tx, schedule, state_sh, mesh)
+    say("opening the run's records")
     sinks = MetricSinks.open(
         cfg.metrics, store, run_id=cfg.run.id, start_step=start_step, config=resolved_dict(cfg)
     )

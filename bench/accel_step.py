@@ -198,8 +198,11 @@ def measure(model: str, seq_len: int, batch: int, steps: int, sets: dict, profil
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="configs/models/qwen3-0.6b.toml",
-                    help="a TOML file with a [model] table, or 'tiny'")
+    ap.add_argument(
+        "--model",
+        default="configs/models/qwen3-0.6b.toml",
+        help="a TOML file with a [model] table, or 'tiny'",
+    )
     ap.add_argument("--shapes", default="2048x8", help="seq_len x global batch, comma-separated")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")

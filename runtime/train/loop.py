@@ -304,7 +304,11 @@ def _train(
     t_start = time.perf_counter()
     say(f"opening run {cfg.run.id} in {cfg.run.output_uri}")
     store, resume = _open_run(cfg, resume, writer_index)
-    say("reading the data" if cfg.data.prepare is None else "reading the data (prepared on first use)")
+    say(
+        "reading the data"
+        if cfg.data.prepare is None
+        else "reading the data (prepared on first use)"
+    )
     manifest = load_data(cfg.data, is_writer=store.is_writer)  # or a [[data.sources]] mixture
     check_for_run(manifest, cfg.data, cfg.model.vocab_size, cfg.training)
     mesh = build_mesh(cfg.mesh)

@@ -59,9 +59,12 @@ def _check_report(rep: dict, devices: int) -> None:
     a = m["arguments"]
     assert a["parameters"] > 0 and a["optimizer_state"] > a["parameters"]  # AdamW: 2 moments
     assert (
-        m["peak_bytes"]
+        m["bound_bytes"]
         == m["argument_bytes"] + m["temp_bytes"] + m["output_bytes"] - m["alias_bytes"]
     )
+    # XLA's liveness peak: at least every argument (live all step), at most the sum of totals.
+    assert m["peak_source"] == "xla"
+    assert m["argument_bytes"] <= m["peak_bytes"] <= m["bound_bytes"]
     assert m["fits"] is True and 0 < m["headroom"] <= 1 and m["hbm_bytes"] > 2**30
     assert m["largest_buffers"] and all(b["bytes"] > 0 and b["shape"] for b in m["largest_buffers"])
     f = rep["flops"]
@@ -80,7 +83,7 @@ def test_plan_tpu_v5p_8_fsdp_4(cfg_path: Path) -> None:
     rep = _plan_json(cfg_path, "--accelerator", "tpu-v5p-8", "--set", "mesh.fsdp=4")
     assert rep["device_kind"] == "TPU v5" and rep["target"]["topology"] == "2x2x1"
     _check_report(rep, 4)
-    assert rep["memory"]["hbm_bytes"] == 95 * 2**30
+    assert rep["memory"]["hbm_bytes"] == int(95.74 * 2**30)  # what the compiler offers
 
 
 def test_plan_deviceless_h100_node_fsdp_8(cfg_path: Path) -> None:

@@ -61,6 +61,11 @@ def render(report: dict) -> str:
     head = "" if m["headroom"] is None else f", headroom {m['headroom']:.1%}"
     lines.append(
         f"memory      peak {_gib(m['peak_bytes'])} of {_gib(m['hbm_bytes'])}: {fits}{head}"
+        + (
+            f" (XLA's live peak; the totals add up to {_gib(m['bound_bytes'])})"
+            if m.get("peak_source") == "xla" and m.get("bound_bytes") != m["peak_bytes"]
+            else ""
+        )
     )
     if report["compiled"]:
         a = m["arguments"]

@@ -43,21 +43,29 @@ def _shard_bytes(tree: Any) -> int:
     return total
 
 
-def memory_report(compiled: Any, prog: AbstractProgram, hbm: int | None) -> dict[str, Any]:
+def memory_report(
+    compiled: Any, prog: AbstractProgram, hbm: int | None, *, compiler_checked: bool = False
+) -> dict[str, Any]:
     """Per-device bytes of a compiled step.
 
-    peak = arguments + temporaries + outputs - aliased outputs. Arguments are live for the whole
-    step; temporaries are XLA's temp allocation, already packed by buffer liveness, so its size
-    is the most intermediate values ever need at once; an output aliased to a donated argument
-    (the new state written over the old) takes no memory of its own, the others (metrics, any
-    state leaf not donated) are fresh buffers. Generated code is reported apart (small).
+    peak is XLA's own peak of live memory over the program (`peak_memory_in_bytes`: arguments,
+    outputs and temporaries by liveness, donated buffers reused). `bound` = arguments +
+    temporaries + outputs - aliased outputs is what the separate totals add up to; it overstates
+    the peak, since the temporaries' allocation can reuse what donated arguments free. Measured
+    on a TPU v5e chip: Qwen3-0.6B, seq 2,048 x 8 has a bound of 18.72 GiB and a peak of 14.00,
+    and it trains in the chip's 15.75 GiB. Where XLA gives no peak the bound stands in.
+    `compiler_checked`: the compiler itself placed the program in the device's HBM (a TPU
+    compile fails when it cannot), so it fits whatever the arithmetic says. Generated code is
+    reported apart (small).
     """
     ma = compiled.memory_analysis()
     args, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
     alias, temp = int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes)
     params = _shard_bytes(prog.state.params)
     opt = _shard_bytes(prog.state.opt_state)
-    peak = args + temp + out - alias
+    bound = args + temp + out - alias
+    xla_peak = int(getattr(ma, "peak_memory_in_bytes", 0) or 0)
+    peak = xla_peak or bound
     rep: dict[str, Any] = {
         "source": "compiled",
         "argument_bytes": args,
@@ -71,8 +79,12 @@ def memory_report(compiled: Any, prog: AbstractProgram, hbm: int | None) -> dict
         "temp_bytes": temp,
         "generated_code_bytes": int(ma.generated_code_size_in_bytes),
         "peak_bytes": peak,
+        "peak_source": "xla" if xla_peak else "bound",
+        "bound_bytes": bound,
     }
     rep.update(_fit(peak, hbm))
+    if compiler_checked and hbm is not None:
+        rep["fits"] = True
     return rep
 
 
@@ -212,7 +224,9 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
             report["flops"] = {"analytic": analytic}
             return report
     report["compiled"] = True
-    report["memory"] = memory_report(compiled, prog, target.hbm_bytes)
+    report["memory"] = memory_report(
+        compiled, prog, target.hbm_bytes, compiler_checked=target.kind == "tpu"
+    )
     slice_of = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
     analysis = hlo.analyse(compiled.as_text(), slice_of=slice_of)
     per_chip = analysis["matmul_flops"]

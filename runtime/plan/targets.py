@@ -21,8 +21,10 @@ GIB = 2**30
 # Published HBM per chip (bytes). TPU v5p: 95 GB; the compiler itself reports 95.74 GiB usable.
 HBM_BYTES = {
     "v4": 32 * GIB,
-    "v5e": 16 * GIB,
-    "v5p": 95 * GIB,
+    # What a program may use, not the nameplate: a v5e chip's memory_stats() bytes_limit and
+    # its compiler's "exceeds available HBM (15.75G)"; v5p's compiler says 95.74G.
+    "v5e": int(15.75 * GIB),
+    "v5p": int(95.74 * GIB),
     "v6e": 32 * GIB,
     "a100-40gb": 40 * GIB,
     "a100-80gb": 80 * GIB,

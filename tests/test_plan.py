@@ -66,6 +66,9 @@ def _check_report(rep: dict, devices: int) -> None:
     assert m["peak_source"] == "xla"
     assert m["argument_bytes"] <= m["peak_bytes"] <= m["bound_bytes"]
     assert m["fits"] is True and 0 < m["headroom"] <= 1 and m["hbm_bytes"] > 2**30
+    st = rep["step_time"]
+    assert st["step_seconds"] > 0 and st["bound"] in ("compute", "memory", "communication")
+    assert st["tokens_per_s_per_chip"] > 0 and st["largest"]
     assert m["largest_buffers"] and all(b["bytes"] > 0 and b["shape"] for b in m["largest_buffers"])
     f = rep["flops"]
     assert f["analytic"]["per_step"] == pytest.approx(f["analytic"]["per_chip"] * devices)

@@ -96,6 +96,15 @@ def render(report: dict) -> str:
             f"{_flops(f['analytic']['per_chip'])} (ratio {f['compiled_over_analytic']})"
             + (f", {f['seconds_at_peak'] * 1e3:.2f} ms at peak" if f["seconds_at_peak"] else "")
         )
+        st = report.get("step_time")
+        if st:
+            sec = st["seconds"]
+            lines.append(
+                f"step time   ~{st['step_seconds']:.3f} s predicted, "
+                f"{st.get('tokens_per_s_per_chip', 0):,} tokens/s per chip ({st['bound']}-bound: "
+                f"compute {sec['compute']:.3f} s, memory {sec['memory']:.3f} s, "
+                f"communication {sec['communication']:.3f} s; a roofline estimate)"
+            )
         c = report["collectives"]
         kinds = ", ".join(
             f"{k} {v['count']} ({_gib(v['bytes'])})" for k, v in c["by_kind"].items() if v["count"]

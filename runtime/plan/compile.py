@@ -24,7 +24,7 @@ from jobspec.run_config import RunConfig
 from runtime.model import moe_dispatch
 from runtime.model.flops import flops_per_token, parameter_counts
 from runtime.model.sharding import build_mesh
-from runtime.plan import hlo
+from runtime.plan import hlo, steptime
 from runtime.plan.targets import Target, check_mesh
 from runtime.train.program import AbstractProgram, abstract_program
 
@@ -255,4 +255,31 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
     }
     report["collectives"] = analysis["collectives"]
     report["memory"]["largest_buffers"] = analysis["largest_buffers"]
+    report["step_time"] = predicted_step_time(cfg, target, compiled, analytic, kernels, n)
     return report
+
+
+def kernel_attention_flops(cfg: RunConfig, analytic: dict[str, float]) -> float:
+    """The attention FLOPs a fused kernel does per chip and step: the analytic count (forward +
+    backward, 12LTHD) less the causal blocks it skips (of n x n query/key blocks of 512, it runs
+    n(n+1)/2), plus the forward again when blocks are rematerialised."""
+    n = max(1, cfg.training.seq_len // 512)
+    causal = (n + 1) / (2 * n)
+    recompute = 4 / 3 if cfg.model.remat != "none" else 1.0
+    return analytic["attention_per_chip"] * causal * recompute
+
+
+def predicted_step_time(
+    cfg: RunConfig, target: Target, compiled: Any, analytic: dict, kernels: bool, n: int
+) -> dict[str, Any] | None:
+    """runtime.plan.steptime's estimate for the target's chip, or None without its figures."""
+    c = steptime.chip(target.catalogue_name, target.peak_flops) if target.kind != "cpu" else None
+    if c is None:
+        return None
+    return steptime.estimate(
+        compiled.as_text(),
+        c,
+        kernel_flops=kernel_attention_flops(cfg, analytic) if kernels else 0.0,
+        tokens_per_step=cfg.training.tokens_per_step,
+        devices=n,
+    )

@@ -110,6 +110,14 @@ class Target:
         found = peak_bf16_flops(self.devices[0].device_kind)
         return found[1] if found else None
 
+    @property
+    def catalogue_name(self) -> str | None:
+        """The chip's catalogue name (tpu-v5e, h100-80gb, ...), from the devices' kind."""
+        if self.kind == "cpu":
+            return None
+        found = peak_bf16_flops(self.devices[0].device_kind)
+        return found[0] if found else None
+
     def describe(self) -> dict:
         return {
             "accelerator": self.accelerator,

@@ -17,7 +17,10 @@ from typing import Any
 BUCKETS = {
     "productive": "training steps that moved the run forward",
     "compile": "each attempt's first step (tracing, compilation, the step itself)",
-    "startup": "process start to the first step: imports, boot, model, data, less restore",
+    "startup": "process start to the first step, less the parts below: interpreter, imports, "
+    "JAX and cluster start, the run's records",
+    "data_open": "opening the data (preparing it first where it was missing)",
+    "model_init": "building the model's parameters and optimizer state on the mesh",
     "restore": "reading the checkpoint a resumed attempt starts from",
     "data_wait": "waiting on the input pipeline between steps",
     "eval": "evaluations, their compilation included",
@@ -82,12 +85,18 @@ def _iso(t: float) -> str:
 
 
 def duration(s: float) -> str:
-    """`42.0s`, `3m07s`, `1h02m`."""
+    """`42.0s`, `3m07s`, `1h02m`, `3d04h` from two days, `12 years` from 1,000 days (an ETA
+    that long says the run is mis-sized, not when it ends); `unknown` for NaN or infinity."""
+    if s != s or s in (float("inf"), float("-inf")):
+        return "unknown"
     s = max(0.0, s)
     if s < 60:
         return f"{s:.1f}s"
     m, sec = divmod(round(s), 60)
     h, m = divmod(m, 60)
+    if h >= 48:
+        d, h = divmod(h, 24)
+        return f"{d}d{h:02d}h" if d < 1000 else f"{s / 31_557_600:,.0f} years"
     return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
 
 

@@ -17,6 +17,7 @@ STARTUP, RESTORE, COMPILE, DATA_WAIT, PRODUCTIVE, RECOMPUTED = (
     "startup", "restore", "compile", "data_wait", "productive", "recomputed",
 )  # fmt: skip
 EVAL, CHECKPOINT, PROFILE, FINISH = "eval", "checkpoint", "profile", "finish"
+DATA_OPEN, MODEL_INIT = "data_open", "model_init"  # named parts of the start-up
 RECORD_EVERY_S = 60.0  # while stepping; checkpoints and evals record anyway
 
 

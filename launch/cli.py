@@ -123,7 +123,10 @@ def _fmt_progress(p: dict[str, Any]) -> str:
     total = p.get("total_steps")
     loss = p.get("last_loss")
     out = f"step {p.get('step', 0)} / {total if total is not None else '?'}"
-    return out + (f", loss {loss:.4f}" if isinstance(loss, int | float) else "")
+    out += f", loss {loss:.4f}" if isinstance(loss, int | float) else ""
+    if p.get("diverged_at_step") is not None:
+        out += f", diverged at step {p['diverged_at_step']}"
+    return out
 
 
 def _fmt_attempt(st: dict[str, Any]) -> str:
@@ -359,6 +362,8 @@ def status_cmd(run: str, as_json: bool) -> None:
     event = progress.get("last_event")
     if event:
         click.echo(f"last event  {event.get('event')} at {event.get('time')}")
+    if progress.get("failure") and progress.get("status") in ("failed", "diverged"):
+        click.echo(f"failure     {progress['failure']}")
     click.echo(f"artifacts   {info['run_uri']}")
 
 
@@ -473,12 +478,29 @@ def list_cmd(with_status: bool, as_json: bool) -> None:
 @cli.command("plan")
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def plan_cmd(job: str, as_json: bool) -> None:
+@click.option(
+    "--fit",
+    is_flag=True,
+    help="Choose remat, loss chunking, accumulation and attention (runtime plan --fit).",
+)
+@click.option(
+    "-o",
+    "--out",
+    "overlay",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="With --fit: write the pick as a run config (and the job's run config beside it, "
+    "OUT's stem + .run.toml, which it includes).",
+)
+def plan_cmd(job: str, as_json: bool, fit: bool, overlay: str | None) -> None:
     """Compile JOB's train step for its accelerator, hosts and slices (`runtime plan`) and print
-    memory per chip, FLOPs and collectives. Exits 0 fits, 1 does not fit, 2 bad input."""
+    memory per chip, predicted step time, FLOPs and collectives. Exits 0 fits, 1 does not fit,
+    2 bad input."""
     from launch.plan import run_plan
 
-    sys.exit(run_plan(job, as_json))
+    if overlay and not fit:
+        raise JaxjobError("--out goes with --fit (launch plan JOB --fit --out pick.toml)")
+    sys.exit(run_plan(job, as_json, fit, overlay))
 
 
 @cli.command("schema")

@@ -17,7 +17,9 @@ from pathlib import Path
 from jobspec.load_job import load_job
 
 
-def plan_command(job_path: str, as_json: bool) -> tuple[list[str], dict[str, str], str]:
+def plan_command(
+    job_path: str, as_json: bool, fit: bool = False, overlay: str | None = None
+) -> tuple[list[str], dict[str, str], str]:
     """(argv, environment, run-config TOML) of the `runtime plan` run for this job spec."""
     job = load_job(job_path)
     spec = job.spec
@@ -32,12 +34,18 @@ def plan_command(job_path: str, as_json: bool) -> tuple[list[str], dict[str, str
         argv += ["--hosts", str(spec.hosts_per_slice), "--slices", str(spec.slices)]
     if as_json:
         argv.append("--json")
+    if fit:
+        argv.append("--fit")
+    if overlay:
+        argv += ["--out", overlay]
     return argv, env, job.run_toml
 
 
-def run_plan(job_path: str, as_json: bool) -> int:
+def run_plan(job_path: str, as_json: bool, fit: bool = False, overlay: str | None = None) -> int:
     """Run `runtime plan` for the job; its output goes straight to this process's own. A
-    prepare job trains nothing: one sentence says so (exit 0)."""
+    prepare job trains nothing: one sentence says so (exit 0). With `--fit --out OUT`, the job's
+    run config is written beside OUT (`OUT`'s stem + `.run.toml`) and OUT includes it, so
+    `runtime local OUT` trains the pick and a job.yaml can name OUT as its `run`."""
     if load_job(job_path).prepare is not None:
         note = (
             f"{job_path} is a prepare job: it tokenizes data and trains no model, so there is "
@@ -45,7 +53,13 @@ def run_plan(job_path: str, as_json: bool) -> int:
         )
         print(json.dumps({"job": job_path, "kind": "prepare", "note": note}) if as_json else note)
         return 0
-    argv, env, run_toml = plan_command(job_path, as_json)
+    argv, env, run_toml = plan_command(job_path, as_json, fit, overlay)
+    if overlay:
+        out = Path(overlay)
+        cfg = out.with_name(out.stem + ".run.toml")
+        cfg.write_text(run_toml)
+        argv[argv.index("CFG")] = str(cfg)
+        return subprocess.run(argv, env=env, check=False).returncode
     with tempfile.TemporaryDirectory(prefix="jaxjob-plan-") as tmp:
         cfg = Path(tmp) / "cfg.toml"
         cfg.write_text(run_toml)

@@ -119,7 +119,8 @@ def local_cmd(
     Exits 0 when done (or stopped by --max-steps), 42 when stopped by SIGTERM/SIGINT (after a
     final checkpoint, or during start-up; restartable: run again with --resume), 2 on a bad
     config or input or a checkpoint that cannot be read (resume from an older one with
-    --resume --from-step N), 45 on a storage fault (restartable).
+    --resume --from-step N), 45 on a storage fault (restartable), 46 when training diverged (a
+    NaN/inf loss or gradient; not restartable).
     """
     from runtime.host import startup
 
@@ -170,7 +171,8 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
     absent), joins the cluster, agrees on the writer host, and trains; resumes from the latest
     committed checkpoint when the run has one. Exit codes: 0 done, 2 bad config or input,
     42 stopped by SIGTERM/SIGINT (after a checkpoint, or during start-up: restart it), 43 a peer
-    host was lost, 44 the cluster did not form, 45 a storage fault (restart it).
+    host was lost, 44 the cluster did not form, 45 a storage fault (restart it), 46 training
+    diverged (NaN/inf; not restarted).
 
     A prepare job's config (a top-level [prepare] table) writes this host's share of the
     dataset instead, and host 0 its manifest (README "Preparing on many hosts").
@@ -244,6 +246,11 @@ def config_check(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
     from runtime.model.flops import flops_per_token, parameter_counts
 
     cfg, _ = _load(config, sets)
+    from runtime.data.eval_rows import check_evals_of_config
+
+    # An eval whose split gives no row is an error (exit 2) when a local manifest says so.
+    for small in check_evals_of_config(cfg, remote=False) or []:
+        click.echo(f"warning: {small['message']}", err=True)
     t = cfg.training
     info = {
         "config": config,
@@ -534,15 +541,39 @@ def preflight_cmd(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
 @click.option("--hosts", type=int, default=None, help="Hosts (GPU nodes); TPU: fixed by the slice.")
 @click.option("--slices", type=int, default=1, show_default=True, help="TPU slices.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--fit",
+    is_flag=True,
+    help="Search remat, loss_chunk_size, gradient accumulation (within the step's global batch) "
+    "and attention: compile the candidates, keep those that fit with 5% headroom, pick the best "
+    "predicted tokens/s.",
+)
+@click.option(
+    "-o",
+    "--out",
+    "overlay",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="With --fit: write the pick as a run config that includes CONFIG (runtime local OUT).",
+)
+@click.option(
+    "--jobs", type=click.IntRange(min=1), default=None, help="With --fit: compiles at once."
+)
 @SET_OPTION
-def plan_cmd(config, accelerator, hosts, slices, as_json, sets) -> None:
+def plan_cmd(config, accelerator, hosts, slices, as_json, fit, overlay, jobs, sets) -> None:
     """Compile CONFIG's train step for an accelerator this machine need not have; report memory
-    per chip, FLOPs and collectives. Exits 0 fits, 1 does not fit (report printed), 2 bad input."""
-    from runtime.commands.plan import prepare_environment, run_plan
+    per chip, predicted step time, FLOPs and collectives. Exits 0 fits, 1 does not fit (report
+    printed; with --fit: no candidate fits), 2 bad input."""
+    from runtime.commands.plan import prepare_environment, run_fit, run_plan
 
+    if (overlay or jobs) and not fit:
+        raise ConfigError("--out and --jobs go with --fit (runtime plan CFG --accelerator A --fit)")
     prepare_environment(accelerator)
     cfg, _ = _load(config, sets)
-    run_plan(cfg, accelerator, hosts, slices, as_json)
+    if fit:
+        run_fit(cfg, config, accelerator, hosts, slices, as_json, overlay, jobs)
+    else:
+        run_plan(cfg, accelerator, hosts, slices, as_json)
 
 
 @cli.command("inspect")

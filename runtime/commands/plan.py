@@ -8,6 +8,7 @@ report is printed all the same), 2 bad input (one sentence).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -165,3 +166,75 @@ def _run_plan(cfg, accelerator: str, hosts: int | None, slices: int, as_json: bo
     click.echo(json.dumps(report, indent=2) if as_json else render(report))
     if report["memory"]["fits"] is False:
         sys.exit(EXIT_DOES_NOT_FIT)
+
+
+def _fit_row(r: dict) -> str:
+    c = r["candidate"]
+    what = f"{c.attention:6} {c.remat:5} chunk {c.loss_chunk_size:>4} x{c.accumulation:<2}"
+    if r.get("error"):
+        return f"  {what}  error: {r['error']}"
+    peak = _gib(r.get("peak_bytes"))
+    if not r.get("compiled", True) or r.get("fits") is False:
+        return f"  {what}  peak {peak:>10}  does not fit"
+    tps = r.get("predicted_tokens_per_s")
+    head = "" if r.get("headroom") is None else f"  headroom {r['headroom']:.1%}"
+    return f"  {what}  peak {peak:>10}{head}  ~{tps or 0:,} tokens/s ({r.get('bound')})"
+
+
+def run_fit(cfg, config_path: str, accelerator: str, hosts, slices: int, as_json: bool,
+            overlay: str | None, jobs: int | None) -> None:  # fmt: skip
+    """`runtime plan --fit`: the table of what was tried, the pick, and the overlay."""
+    from runtime.host import platform
+
+    with platform.dropping_native_lines() if _is_gpu(accelerator) else contextlib.nullcontext():
+        from runtime.plan.fit import MIN_HEADROOM, fit, overlay_toml
+
+        def progress(r: dict) -> None:
+            if not as_json:
+                click.echo(_fit_row(r))
+
+        if not as_json:
+            click.echo(
+                "attention remat  loss chunk x accumulation  (compiled for " + accelerator + ")"
+            )
+        result = fit(cfg, accelerator, hosts, slices, jobs=jobs, progress=progress)
+    pick = result["pick"]
+    if pick is None:
+        smallest = result["smallest_peak_bytes"]
+        raise_no_fit = (
+            f"nothing fits {accelerator} with {MIN_HEADROOM:.0%} headroom: the smallest peak "
+            f"found was {_gib(smallest)} per chip of {_gib(result['target']['hbm_bytes_per_chip'])}"
+            if smallest
+            else f"nothing compiled for {accelerator}"
+        )
+        if as_json:
+            click.echo(json.dumps(_jsonable(result), indent=2))
+        click.echo(f"error: {raise_no_fit}; use more chips or a smaller batch", err=True)
+        sys.exit(EXIT_DOES_NOT_FIT)
+    c = pick["candidate"]
+    text = overlay_toml(c, result["sequences_per_step"], config_path, overlay or config_path,
+                        accelerator)  # fmt: skip
+    if overlay:
+        with open(overlay, "w") as f:
+            f.write(text)
+    if as_json:
+        click.echo(json.dumps(_jsonable(result) | {"overlay": text}, indent=2))
+        return
+    tps = pick["predicted_tokens_per_s"]
+    click.echo(
+        f"pick: attention {c.attention}, remat {c.remat}, loss_chunk_size {c.loss_chunk_size}, "
+        f"gradient_accumulation_steps {c.accumulation}"
+        + (f" (~{tps:,} tokens/s per chip predicted)" if tps else "")
+        + f"; {len(result['tried'])} compiled, {len(result['skipped'])} not compiled (they need "
+        f"the memory of one that did not fit), {len(result['not_compiled_slower'])} not compiled "
+        "(more accumulation of a setting that fits)"
+    )
+    click.echo(f"wrote {overlay}: runtime local {overlay}" if overlay else text.rstrip())
+
+
+def _jsonable(result: dict) -> dict:
+    def row(r: dict) -> dict:
+        return {**r, "candidate": r["candidate"].__dict__}
+
+    return {**result, "tried": [row(r) for r in result["tried"]],
+            "pick": row(result["pick"]) if result["pick"] else None}  # fmt: skip

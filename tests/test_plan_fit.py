@@ -1,0 +1,98 @@
+"""`runtime plan --fit` and `launch plan --fit`: settings chosen by compiling candidates."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from jobspec.load import load_run_config
+
+from runs import ROOT, tiny_config, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def runtime(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime", *args], cwd=ROOT, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "accelerator, fsdp, kernel",
+    [("tpu-v5p-8", 4, "splash"), ("h100-80gb", 8, "cudnn")],
+)
+def test_fit_picks_a_setting_that_fits_and_writes_an_overlay(tmp_path, accelerator, fsdp, kernel):
+    out = tmp_path / "pick.toml"
+    res = runtime("plan", "configs/tiny_plan.toml", "--accelerator", accelerator,
+                  "--set", f"mesh.fsdp={fsdp}", "--fit", "--json", "--jobs", "1", "-o", str(out))  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr == "", res.stderr
+    rep = json.loads(res.stdout)
+    tried = {tuple(r["candidate"].values()) for r in rep["tried"]}
+    # Both kernels that apply, every remat; seq 128 leaves only the whole-sequence loss; more
+    # accumulation of a setting that fits is not compiled.
+    assert {(a, r) for a, r, _, _ in tried} == {
+        (a, r) for a in (kernel, "xla") for r in ("full", "block", "none")
+    }
+    more = {a for a in (2, 4, 8, 16) if 16 % a == 0 and (16 // a) % fsdp == 0}
+    assert {c["accumulation"] for c in rep["not_compiled_slower"]} == more
+    pick = rep["pick"]
+    assert pick["fits"] and pick["headroom"] >= 0.05
+    best = max(r["predicted_tokens_per_s"] for r in rep["tried"] if r["fits"])
+    assert pick["predicted_tokens_per_s"] == best
+    cfg, _ = load_run_config(str(out), {})
+    c = pick["candidate"]
+    assert (cfg.model.attention, cfg.model.remat) == (c["attention"], c["remat"])
+    assert cfg.training.loss_chunk_size == c["loss_chunk_size"]
+    assert cfg.training.gradient_accumulation_steps == c["accumulation"]
+    assert cfg.training.tokens_per_step == 16 * 128  # the step's batch is the config's
+    assert cfg.model.hidden_size == 64  # the rest comes from the included config
+
+
+def test_the_picked_overlay_trains(tmp_path, prepared):
+    cfg = write_config(tmp_path / "run.toml", tiny_config(prepared, str(tmp_path / "runs")))
+    out = tmp_path / "pick.toml"
+    res = runtime("plan", str(cfg), "--accelerator", "cpu", "--fit", "--jobs", "1", "-o", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "pick: attention xla" in res.stdout and f"wrote {out}" in res.stdout
+    res = runtime("local", str(out), "--max-steps", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "runs" / "t" / "checkpoints").is_dir()
+
+
+def test_nothing_fits_is_one_sentence_naming_the_smallest_peak(tmp_path):
+    big = tmp_path / "big.toml"
+    big.write_text(
+        (ROOT / "configs/tiny_plan.toml").read_text()
+        .replace("vocab_size = 512", "vocab_size = 262144")
+        .replace("hidden_size = 64", "hidden_size = 4096")
+        .replace("intermediate_size = 128", "intermediate_size = 16384")
+        .replace("num_heads = 4", "num_heads = 32")
+        .replace("num_kv_heads = 2", "num_kv_heads = 8")
+        .replace("global_batch_size = 16", "global_batch_size = 1")
+    )  # fmt: skip
+    res = runtime("plan", str(big), "--accelerator", "tpu-v5e-1", "--fit", "--jobs", "1")
+    assert res.returncode == 1, res.stderr[-3000:]
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: nothing fits tpu-v5e-1"), lines
+    assert "the smallest peak found was" in lines[0] and "GiB per chip of 15.75 GiB" in lines[0]
+
+
+def test_launch_plan_fit_writes_the_run_beside_the_overlay(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"name": "fit", "accelerator": "cpu", "hosts": 1,
+                                   "run": str(ROOT / "configs/tiny_plan.toml")}))  # fmt: skip
+    out = tmp_path / "pick.toml"
+    res = subprocess.run([sys.executable, "-m", "launch.cli", "plan", str(job), "--fit", "-o", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    # The job's run config, written beside the overlay, which includes it.
+    assert "[model]" in (tmp_path / "pick.run.toml").read_text()
+    assert 'include = ["pick.run.toml"]' in out.read_text()
+    cfg, _ = load_run_config(str(out), {})
+    assert cfg.model.attention == "xla" and cfg.model.hidden_size == 64

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 
 import click
 
-from jobspec.errors import ConfigError
+from runtime.plan.environment import is_gpu as _is_gpu
 
 EXIT_DOES_NOT_FIT = 1
 
@@ -115,34 +114,6 @@ def render(report: dict) -> str:
             f"collectives {c['total']['count']}: {kinds or 'none'}; {across} across slices"
         )
     return "\n".join(lines)
-
-
-def prepare_environment(accelerator: str) -> None:
-    """Before jax starts: no chip probing (compile-only devices need no platform), and no
-    libtpu lock (compile-only TPU devices touch no chip, so a training process holding the lock
-    on a TPU VM must not stop a plan)."""
-    from runtime.host import platform
-
-    if platform.chosen_here() or not os.environ.get("JAX_PLATFORMS"):
-        os.environ["JAX_PLATFORMS"] = "cpu"  # a platform chosen for training is not the plan's
-    if _is_gpu(accelerator):
-        platform.unhide_cuda_plugin()  # GPU targets compile through the CUDA plugin
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    # libtpu describes the local TPU host when it loads; off a TPU VM it logs a page of
-    # warnings (and an INVALID_ARGUMENT it recovers from) unless told there is one host and no
-    # metadata server. Compile-only topologies do not use these values.
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
-
-
-def _is_gpu(accelerator: str) -> bool:
-    from jobspec.catalogue import lookup
-
-    try:
-        return lookup(accelerator).kind == "gpu"
-    except ConfigError:
-        return False  # resolve_target says what is wrong with the name
 
 
 def run_plan(cfg, accelerator: str, hosts: int | None, slices: int, as_json: bool) -> None:

@@ -119,8 +119,8 @@ def _with(cfg, c: Candidate):
 def _compile_one(payload: tuple) -> dict[str, Any]:
     """One candidate's plan summary (in a worker process, or in this one)."""
     cfg_dict, accelerator, hosts, slices, cand = payload
-    from runtime.commands.plan import prepare_environment
     from runtime.host import platform
+    from runtime.plan.environment import prepare_environment
 
     platform.choose()  # a spawned worker starts as `runtime` does: no plugin it will not use
     prepare_environment(accelerator)

@@ -91,9 +91,7 @@ def _reads(mod: hlo.Module, body: hlo.Computation, name: str) -> tuple[str, int]
             elif u.opcode == "dynamic-update-slice" and pos == 0:
                 kind, b = "update", sum(a.bytes for a in hlo._operand_leaves(body, u, 1))
             elif u.opcode == "fusion" and (inner := _fused_body(mod, u)) is not None:
-                p = next(
-                    (i for i in inner.instrs.values() if _param_index(i) == pos), None
-                )
+                p = next((i for i in inner.instrs.values() if _param_index(i) == pos), None)
                 kind, b = _reads(mod, inner, p.name) if p is not None else ("whole", 0)
             else:
                 kind, b = "whole", 0
@@ -140,7 +138,11 @@ def _fusion_traffic(mod: hlo.Module, comp: hlo.Computation, ins: hlo.Instr) -> t
 
 
 def estimate(
-    text: str, c: Chip, *, kernel_flops: float = 0.0, tokens_per_step: int | None = None,
+    text: str,
+    c: Chip,
+    *,
+    kernel_flops: float = 0.0,
+    tokens_per_step: int | None = None,
     devices: int = 1,
     top: int = 8,
 ) -> dict[str, Any]:

@@ -103,20 +103,17 @@ class Target:
         return list(desc.devices)
 
     @property
+    def chip(self) -> tuple[str, float] | None:
+        """(catalogue name, peak dense bf16 FLOP/s per chip) from the compiled devices' kind."""
+        return None if self.kind == "cpu" else peak_bf16_flops(self.devices[0].device_kind)
+
+    @property
     def peak_flops(self) -> float | None:
-        """Peak dense bf16 FLOP/s per chip, from the compiled devices' kind."""
-        if self.kind == "cpu":
-            return None
-        found = peak_bf16_flops(self.devices[0].device_kind)
-        return found[1] if found else None
+        return self.chip[1] if self.chip else None
 
     @property
     def catalogue_name(self) -> str | None:
-        """The chip's catalogue name (tpu-v5e, h100-80gb, ...), from the devices' kind."""
-        if self.kind == "cpu":
-            return None
-        found = peak_bf16_flops(self.devices[0].device_kind)
-        return found[0] if found else None
+        return self.chip[0] if self.chip else None
 
     def describe(self) -> dict:
         return {

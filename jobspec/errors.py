@@ -4,7 +4,7 @@
 failure is the environment's, not the user's (a storage fault: restartable).
 """
 
-from jobspec.exit_codes import EXIT_BAD_INPUT, EXIT_STORAGE_FAULT
+from jobspec.exit_codes import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_STORAGE_FAULT
 
 
 class JaxjobError(Exception):
@@ -35,6 +35,17 @@ class StorageFaultError(StorageError):
 
 class CheckpointError(JaxjobError):
     """A checkpoint is missing, uncommitted or incompatible with the run config."""
+
+
+class DivergedError(JaxjobError):
+    """Training produced a non-finite loss, gradient norm or parameter norm: the run stops before
+    any non-finite state is saved. Not restartable (the same restart would diverge again)."""
+
+    exit_code = EXIT_DIVERGED
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class RunOwnedError(JaxjobError):

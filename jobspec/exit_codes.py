@@ -11,6 +11,10 @@ EXIT_RESTARTABLE = 42  # stopped by SIGTERM/SIGINT (after its final checkpoint, 
 EXIT_HOST_LOST = 43  # a peer host stopped responding or stopped advancing (host_loss_timeout_s)
 EXIT_CLUSTER_TIMEOUT = 44  # the cluster did not form within runtime.boot_timeout_s
 EXIT_STORAGE_FAULT = 45  # storage failed under us (ENOSPC, EIO, gs:// 5xx/timeouts after retries)
+# The loss, gradient norm or parameters became NaN/inf (training.on_nonfinite). Not restartable:
+# a restart resumes from the last finite checkpoint with the same settings and data, and would
+# diverge again; a person changes something first (lower lr, roll back, fix the data).
+EXIT_DIVERGED = 46
 RESTARTABLE_EXIT_CODES = (
     EXIT_RESTARTABLE,
     EXIT_HOST_LOST,

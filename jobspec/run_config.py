@@ -6,6 +6,7 @@ unknown keys are errors. Nothing here imports jax.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import PurePosixPath
 from typing import Annotated, Literal, NamedTuple
@@ -15,9 +16,25 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+# A step number or count of steps: the train state counts steps in int32.
+MAX_STEPS = 2**31 - 1
+StepCount = Annotated[int, Field(ge=0, le=MAX_STEPS)]
+PositiveStepCount = Annotated[int, Field(gt=0, le=MAX_STEPS)]
+# JAX's PRNG seeds are signed 64-bit integers.
+MAX_SEED = 2**63 - 1
+# Far beyond any corpus trained on (frontier runs are ~1e13 tokens): a larger value is a typo.
+MAX_TARGET_TOKENS = 10**16
+NONFINITE_POLICIES = ("stop", "skip_step")
 
 # Always fullmatch: `$` alone also matches before a trailing newline ("name\n").
 RUN_ID_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _number_outside(value: object, lo: float, hi: float) -> bool:
+    """A number (not a bool) outside [lo, hi], NaN and infinities included."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return not lo <= value <= hi
 
 
 def check_dns_label(value: str, what: str, max_len: int = 63) -> str:
@@ -32,20 +49,34 @@ def check_dns_label(value: str, what: str, max_len: int = 63) -> str:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # allow_inf_nan=False: every float setting is finite; `inf`/`nan` is refused naming the field.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False
+    )
 
 
 class RunSection(Section):
     """Identity and destination of the run."""
 
     id: str = Field(description="Run id, a DNS-1123 label (lowercase letters, digits, '-').")
-    seed: NonNegativeInt = Field(
-        0, description="Seed for parameter init, data order and dropout-free RNG."
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = Field(
+        0,
+        description="Seed for parameter init, data order and dropout-free RNG; 0 to 2**63 - 1 "
+        "(what JAX's PRNG takes).",
     )
     output_uri: str = Field(
         "runs",
         description="Where `<id>/` with artifacts and checkpoints goes: a local path or gs://bucket/prefix.",
     )
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _check_seed(cls, value: object) -> object:
+        if _number_outside(value, 0, MAX_SEED):
+            raise ValueError(
+                f"not a seed JAX's PRNG takes; use an integer from 0 to 2**63 - 1 ({MAX_SEED:,})"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_id(self) -> RunSection:
@@ -512,8 +543,8 @@ class ScheduleConfig(Section):
     kind: Literal["cosine", "linear", "constant"] = Field(
         "cosine", description="Shape after warmup."
     )
-    warmup_steps: NonNegativeInt = Field(0, description="Linear warmup from 0 to lr.")
-    decay_steps: PositiveInt | None = Field(
+    warmup_steps: StepCount = Field(0, description="Linear warmup from 0 to lr.")
+    decay_steps: PositiveStepCount | None = Field(
         None,
         description=(
             "Steps from start to the end of decay. Unset: the first run's total steps; a resumed run "
@@ -529,12 +560,15 @@ class OptimizerConfig(Section):
     """AdamW with a schedule and global-norm clipping."""
 
     name: Literal["adamw"] = Field("adamw", description="Optimizer.")
-    lr: PositiveFloat = Field(3e-4, description="Peak learning rate.")
+    lr: Annotated[float, Field(gt=0, le=10)] = Field(
+        3e-4, description="Peak learning rate; at most 10."
+    )
     b1: Annotated[float, Field(ge=0, lt=1)] = Field(0.9, description="Adam first-moment decay.")
     b2: Annotated[float, Field(ge=0, lt=1)] = Field(0.95, description="Adam second-moment decay.")
-    eps: PositiveFloat = Field(1e-8, description="Adam epsilon.")
-    weight_decay: Annotated[float, Field(ge=0)] = Field(
-        0.1, description="Decoupled weight decay on matrices (norm scales are not decayed)."
+    eps: Annotated[float, Field(gt=0, le=1)] = Field(1e-8, description="Adam epsilon; at most 1.")
+    weight_decay: Annotated[float, Field(ge=0, le=10)] = Field(
+        0.1,
+        description="Decoupled weight decay on matrices (norm scales are not decayed); at most 10.",
     )
     grad_clip_norm: PositiveFloat | None = Field(
         1.0, description="Global-norm clip; unset to disable."
@@ -720,22 +754,44 @@ class TrainingConfig(Section):
     gradient_accumulation_steps: PositiveInt = Field(
         1, description="Microbatches per optimizer step."
     )
-    target_tokens: PositiveInt = Field(
-        description="Train until this many tokens have been consumed."
+    target_tokens: Annotated[int, Field(gt=0, le=MAX_TARGET_TOKENS)] = Field(
+        description="Train until this many tokens have been consumed; at most 1e16."
     )
-    log_every: PositiveInt = Field(
+    log_every: PositiveStepCount = Field(
         10, description="Steps between live lines and host syncs (every step gets a metrics row)."
     )
-    eval_every: NonNegativeInt = Field(
+    eval_every: StepCount = Field(
         0, description="Steps between evals; 0 runs evals only at the end."
     )
+    on_nonfinite: Literal["stop", "skip_step"] = Field(
+        "stop",
+        description=(
+            "A NaN/inf loss, gradient norm or parameter norm: stop ends the run with exit 46 "
+            "before anything non-finite is saved; skip_step leaves that step's parameters and "
+            "optimizer state unchanged (row `skipped`, a `step_skipped` event) and stops once "
+            "max_skipped_steps is exceeded."
+        ),
+    )
+    max_skipped_steps: StepCount = Field(
+        10, description="skip_step: the most steps a run may skip before it stops with exit 46."
+    )
     loss_chunk_size: NonNegativeInt = Field(
-        1024,
+        256,
         description=(
             "Sequence positions per chunk of the loss: the [rows, chunk, vocab] fp32 logits are made "
             "and dropped one chunk at a time (recomputed in the backward pass); 0 = whole sequence."
         ),
     )
+
+    @field_validator("target_tokens", mode="before")
+    @classmethod
+    def _check_target(cls, value: object) -> object:
+        if _number_outside(value, -math.inf, MAX_TARGET_TOKENS):  # too large, inf or NaN
+            raise ValueError(
+                f"must be a number of tokens up to 1e16 ({MAX_TARGET_TOKENS:,}), already far "
+                "beyond any corpus trained on; check the exponent"
+            )
+        return value
 
     @property
     def tokens_per_step(self) -> int:
@@ -793,7 +849,7 @@ class EvalConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: NonNegativeInt = Field(0, description="Save every N steps; 0 saves only at the end.")
+    every: StepCount = Field(0, description="Save every N steps; 0 saves only at the end.")
     keep: PositiveInt = Field(3, description="Most recent checkpoints kept (the best is kept too).")
     async_: bool = Field(
         True, alias="async", description="Save in the background while training continues."
@@ -860,10 +916,10 @@ class MetricsConfig(Section):
 class ProfileConfig(Section):
     """A jax.profiler trace of a few steps on every host, into <run>/profile/host-<i>/."""
 
-    start_step: Annotated[int, Field(ge=2)] = Field(
+    start_step: Annotated[int, Field(ge=2, le=MAX_STEPS)] = Field(
         description="First step traced (step 1 of an attempt compiles, so 2 or later)."
     )
-    steps: PositiveInt = Field(
+    steps: PositiveStepCount = Field(
         2, description="Steps traced; they count as training but not in tokens/s."
     )
 
@@ -889,6 +945,12 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
         t, m = self.training, self.model
+        if t.total_steps > MAX_STEPS:
+            raise ValueError(
+                f"training.target_tokens ({t.target_tokens:,}) takes {t.total_steps:,} steps of "
+                f"{t.tokens_per_step:,} tokens, more than the {MAX_STEPS:,} a run counts; lower "
+                "target_tokens or raise the tokens per step"
+            )
         if t.seq_len > m.max_position_embeddings:
             raise ValueError(
                 f"training.seq_len ({t.seq_len}) is longer than model.max_position_embeddings "

@@ -66,9 +66,10 @@ def prepare_note(m: dict[str, Any]) -> str:
 
 def read_progress(run_uri: str) -> dict[str, Any]:
     """{"status", "step", "total_steps", "last_loss", "last_event", "goodput", "eta_s",
-    "latest_eval", "best_eval"} ({name, step, loss} of metrics/eval.jsonl's newest and lowest
-    rows, with a mixture's loss_per_source; jobspec.evals); {"error": …} when unreadable. The
-    ETA is given while the run says it is running."""
+    "latest_eval", "best_eval", "diverged_at_step", "failure"} ({name, step, loss} of
+    metrics/eval.jsonl's newest and lowest rows, with a mixture's loss_per_source;
+    jobspec.evals); {"error": …} when unreadable. The ETA is given while the run says it is
+    running."""
     from jobspec.evals import eval_summary
     from jobspec.goodput import account
     from jobspec.storage import join, url_to_fs
@@ -104,4 +105,7 @@ def read_progress(run_uri: str) -> dict[str, Any]:
         "eta_s": eta_seconds(rows, manifest.get("total_steps")) if running else None,
         "latest_eval": evals["latest"],
         "best_eval": evals["best"],
+        # A diverged run (training.on_nonfinite) says where; a failed one, why.
+        "diverged_at_step": manifest.get("diverged_at_step"),
+        "failure": manifest.get("failure"),
     }

@@ -343,6 +343,9 @@ def test_mixture_training_resumes_exactly(data, tmp_path, capsys, monkeypatch):
     checks = {c["name"]: c for c in preflight(cfg)["checks"]}
     assert checks["data"]["ok"] and "mixture of web 70%, code 30%" in checks["data"]["detail"]
     assert isinstance(open_data(cfg.data), Mixture)
+    # The whole run's eval reads more web rows than that tiny validation split holds: said once.
+    warned = [ln for ln in stderr_lines(capsys.readouterr().err) if ln.startswith("warning:")]
+    assert len(warned) == 1 and "eval 'val' reads 12 rows of the validation split" in warned[0]
 
     # A changed weight, or another source, on resume: one sentence naming the field, exit 2.
     more = {"training": {"target_tokens": 16 * 8 * 9}}

@@ -564,7 +564,8 @@ def plan_cmd(config, accelerator, hosts, slices, as_json, fit, overlay, jobs, se
     """Compile CONFIG's train step for an accelerator this machine need not have; report memory
     per chip, predicted step time, FLOPs and collectives. Exits 0 fits, 1 does not fit (report
     printed; with --fit: no candidate fits), 2 bad input."""
-    from runtime.commands.plan import prepare_environment, run_fit, run_plan
+    from runtime.commands.plan import run_fit, run_plan
+    from runtime.plan.environment import prepare_environment
 
     if (overlay or jobs) and not fit:
         raise ConfigError("--out and --jobs go with --fit (runtime plan CFG --accelerator A --fit)")

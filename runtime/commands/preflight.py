@@ -137,6 +137,21 @@ def preflight(cfg: RunConfig) -> dict[str, Any]:
 
     check("data", data)
 
+    def evals():
+        from runtime.data.eval_rows import check_evals_of_config
+
+        if not cfg.evals:
+            return "none configured", None
+        small = check_evals_of_config(cfg)  # an eval whose split gives no row: FAIL
+        names = ", ".join(f"{e.name} ({e.split})" for e in cfg.evals)
+        if small is None:
+            return f"{names}: the data is not readable yet, checked again at the start", None
+        if small:
+            return f"{names} can run; warning: " + "; ".join(w["message"] for w in small), None
+        return f"{names} can run", None
+
+    check("evals", evals)
+
     def output():
         store = ArtifactStore(join(cfg.run.output_uri, cfg.run.id))
         store.check_writable()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
+import math
 import platform
 import traceback
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ import numpy as np
 
 from jobspec import goodput
 from jobspec.accelerators import peak_bf16_flops
+from jobspec.errors import DivergedError
 from jobspec.evals import eval_summary
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
@@ -34,6 +36,8 @@ if TYPE_CHECKING:  # the loop hands them in: runtime/observe sits above runtime/
 TRAIN_METRICS = "metrics/train.jsonl"
 EVAL_METRICS = "metrics/eval.jsonl"
 EVENTS = "events.jsonl"
+# A step with any of these not finite diverged (training.on_nonfinite).
+NONFINITE_KEYS = ("loss", "grad_norm", "param_norm")
 PACKAGES = (
     "jaxjob",
     "jax",
@@ -139,6 +143,10 @@ class RunArtifacts:
         self.meter = Throughput(t.tokens_per_step, self.flops_per_token, self.job_peak_flops)
         self._pending: list[tuple[int, Any, dict]] = []  # steps since the last host sync
         self.last_row: dict | None = None  # the newest row written
+        # training.on_nonfinite: steps skipped so far (the checkpoint carries the count across
+        # attempts), and the first step that ends the run ({step, loss, grad_norm, param_norm}).
+        self.skipped_steps = 0
+        self.nonfinite: dict[str, Any] | None = None
 
     @property
     def writer(self) -> bool:
@@ -167,6 +175,8 @@ class RunArtifacts:
                 self.store.truncate_jsonl_after(rel, "step", start_step)
         if resume and self.store.exists("manifest.json"):
             self._manifest = self.store.read_json("manifest.json")
+            for stale in ("failure", "diverged_at_step"):  # an earlier attempt's end
+                self._manifest.pop(stale, None)
         self.store.write_text("config/source.toml", self.source_toml)
         self.store.write_json("config/resolved.json", resolved_dict(self.cfg))
         self.store.write_json("diagnostics/runtime.json", diagnostics)
@@ -207,7 +217,11 @@ class RunArtifacts:
     ) -> None:
         """Record a finished step; rows are fetched and written every `training.log_every`
         steps, and at `sync` (before an eval, a save, a profile or the end), so the host rarely
-        waits. `timed=False` (profiled steps) writes the rows without throughput figures."""
+        waits. `timed=False` (profiled steps) writes the rows without throughput figures.
+
+        The fetched rows are where finiteness is read (no sync of its own): a step whose loss,
+        grad_norm or param_norm is NaN/inf, or a skip past training.max_skipped_steps, sets
+        `nonfinite`, which the loop turns into DivergedError before any eval or save."""
         self._pending.append((step, metrics, provenance))
         if step % self.cfg.training.log_every == 0 or sync:
             pending, self._pending = self._pending, []
@@ -240,11 +254,36 @@ class RunArtifacts:
             rows.append(row)
         if timing:
             rows[-1].update(timing)
+        skipped = [row for row in rows if self._check_finite(row)]
         if self.writer:
-            self.store.append_jsonl(TRAIN_METRICS, rows)
+            self.store.append_jsonl(TRAIN_METRICS, rows)  # non-finite values are written null
             self.sinks.train_rows(rows)
+        limit = self.cfg.training.max_skipped_steps
+        for row in skipped:
+            self.event("step_skipped", **{k: row.get(k) for k in ("step", *NONFINITE_KEYS)},
+                       skipped_steps=row["skipped_steps"])  # fmt: skip
+            emit(
+                f"warning: step {row['step']} skipped ({_nonfinite_text(row)}): parameters and "
+                f"optimizer state kept; {row['skipped_steps']} of "
+                f"training.max_skipped_steps = {limit} skips used"
+            )
         emit(live_line(rows[-1]))
         return rows[-1]
+
+    def _check_finite(self, row: dict) -> bool:
+        """Note whether the step `row` diverged; True when it was skipped (skip_step)."""
+        if "skipped" in row:  # skip_step: the step itself kept its state on device
+            row["skipped"] = skipped = bool(row["skipped"])
+            self.skipped_steps += skipped
+            row["skipped_steps"] = self.skipped_steps
+            limit = self.cfg.training.max_skipped_steps
+            if skipped and self.skipped_steps > limit and self.nonfinite is None:
+                self.nonfinite = {"step": row["step"], **{k: row.get(k) for k in NONFINITE_KEYS},
+                                  "skipped_steps": self.skipped_steps}  # fmt: skip
+            return skipped
+        if self.nonfinite is None and _nonfinite_of(row):
+            self.nonfinite = {"step": row["step"], **{k: row.get(k) for k in NONFINITE_KEYS}}
+        return False
 
     def eval_row(self, row: dict) -> None:
         if self.writer:
@@ -280,7 +319,10 @@ class RunArtifacts:
             self._write_manifest(status=status, steps=step, tokens=summary["tokens"])
         return summary
 
-    def fail(self, step: int, err: BaseException) -> None:
+    def fail(self, step: int, err: BaseException, index: dict | None = None) -> None:
+        """Record how the attempt ended: a `failure` event, and the manifest's status `failed`
+        with the sentence, or `diverged` (DivergedError) with the step, which also writes
+        summaries/final.json so no earlier attempt's summary still says how the run ended."""
         if not self.writer:
             return
         try:
@@ -294,7 +336,36 @@ class RunArtifacts:
                 exit_code=getattr(err, "exit_code", None),
                 traceback=traceback.format_exception(err)[-3:],
             )
-            self._write_manifest(status="failed", steps=step)
+            update: dict[str, Any] = {"status": "failed", "steps": step, "failure": msg}
+            if isinstance(err, DivergedError):
+                update.update(status="diverged", diverged_at_step=err.step)
+                index = index or {}
+                self.store.write_json("summaries/final.json", {
+                    "run_id": self.cfg.run.id,
+                    "status": "diverged",
+                    "steps": step,
+                    "tokens": step * self.cfg.training.tokens_per_step,
+                    "diverged_at_step": err.step,
+                    "final_loss": self.last_row["loss"] if self.last_row else None,
+                    "failure": msg,
+                    "checkpoints": {"latest": index.get("latest"), "best": index.get("best")},
+                    "goodput": goodput.account(self.store.read_jsonl(EVENTS)),
+                })  # fmt: skip
+            self._write_manifest(**update)
             self.sinks.close()
         except Exception:  # the original error matters more than a failed report of it
             pass
+
+
+def _nonfinite_of(row: dict) -> dict[str, Any]:
+    """The NONFINITE_KEYS of `row` whose value is NaN or infinite."""
+    return {
+        k: row[k]
+        for k in NONFINITE_KEYS
+        if isinstance(row.get(k), float) and not math.isfinite(row[k])
+    }
+
+
+def _nonfinite_text(row: dict) -> str:
+    """`loss nan, grad_norm inf, param_norm 3.2`: the figures that say why a step diverged."""
+    return ", ".join(f"{k} {row[k]:.4g}" for k in NONFINITE_KEYS if k in row)

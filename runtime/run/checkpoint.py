@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import json
 import logging
+import math
 import re
 import sys
 import warnings
@@ -70,6 +71,24 @@ def load_index(store: ArtifactStore) -> dict[str, Any]:
                 f"{store.uri(INDEX)}: {key} is {doc[key]!r:.80}, not a step or null; {fix}"
             )
     return doc
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _finite_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
+    """The metrics an index entry records: finite numbers only (a NaN eval loss is left out, so
+    it can never make a step `best`)."""
+    out = {}
+    for k, v in (metrics or {}).items():
+        try:
+            value = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            out[k] = value
+    return out
 
 
 def _is_step(value: Any) -> bool:
@@ -170,11 +189,12 @@ class CheckpointService:
 
     def _best(self) -> int | None:
         """Lowest `best_metric`; a run that records it nowhere (no evals) has latest as best,
-        as Orbax's own best_step does."""
+        as Orbax's own best_step does. A non-finite or missing value (written null) never wins."""
         scored = [
             (float(e["metrics"][self.best_metric]), s)
             for s, e in self._entries.items()
-            if isinstance(e.get("metrics"), dict) and self.best_metric in e["metrics"]
+            if isinstance(e.get("metrics"), dict)
+            and _finite_number(e["metrics"].get(self.best_metric))
         ]
         if scored:
             return min(scored)[1]
@@ -284,7 +304,7 @@ class CheckpointService:
         entry = {
             "step": step,
             "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "metrics": {k: float(v) for k, v in (metrics or {}).items()},
+            "metrics": _finite_metrics(metrics),
             "fingerprint": meta.fingerprint,
         }
         args = ocp.args.Composite(
@@ -301,6 +321,24 @@ class CheckpointService:
         self._pending = _Pending(step, entry)
         self.poll()  # a synchronous save is committed already
         return True
+
+    def newest(self) -> int | None:
+        """The newest step saved or being saved (a background save not yet indexed counts)."""
+        steps = [*self._entries, *([self._pending.step] if self._pending else [])]
+        return max(steps) if steps else None
+
+    def set_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Add metrics (an eval's `val_loss`, which picks `best`) to a step saved before its eval
+        ran: committed (the index is rewritten) or still saving (indexed with them). The copy
+        of the entry inside the checkpoint keeps the metrics it was saved with."""
+        found = self._pending.entry if self._pending and self._pending.step == step else None
+        if found is None and step in self._entries:
+            found = self._entries[step] = dict(self._entries[step])
+        if found is None or self.read_only:
+            return
+        found["metrics"] = {**(found.get("metrics") or {}), **_finite_metrics(metrics)}
+        if step in self._entries:
+            self._write_index()
 
     def poll(self) -> int | None:
         """Index a save that has finished in the background; returns its step, else None.
@@ -527,11 +565,14 @@ class CheckpointService:
                     got = self._mgr.restore(
                         step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)})
                     )
+                    bad = _nonfinite_leaf(got[item])  # saves are finite: NaN/inf is damage
                     del got
                 except Exception as e:
                     raise _ItemError(f"{item}: {short_cause(e)}") from e
                 if target is None:
                     raise _ItemError(f"{item}: its array metadata cannot be read")
+                if bad is not None:
+                    raise _ItemError(f"{item}: {bad} holds NaN or infinite values")
             try:
                 raw = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
                 meta = CheckpointMeta.from_json(dict(raw["meta"]), where=f"{self.directory}/{step}")
@@ -546,6 +587,18 @@ class CheckpointService:
             self._raise_if_fault(step, e, "could not be read")
             return {"step": step, "ok": False, "bytes": size, "cause": short_cause(e)}
         return {"step": step, "ok": True, "bytes": size, "cause": None}
+
+
+def _nonfinite_leaf(tree: Any) -> str | None:
+    """The path of the first floating array of `tree` holding NaN or inf, else None."""
+    import jax
+    import numpy as np
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        arr = np.asarray(leaf)
+        if jax.numpy.issubdtype(arr.dtype, jax.numpy.floating) and not np.isfinite(arr).all():
+            return jax.tree_util.keystr(path)
+    return None
 
 
 class _ItemError(Exception):

@@ -39,6 +39,9 @@ def inspect_run(run: str) -> dict[str, Any]:
         "run": store.uri(""),
         "run_id": manifest.get("run_id"),
         "status": manifest.get("status"),
+        # A failed or diverged attempt's sentence, and the step a diverged run stopped at.
+        "failure": manifest.get("failure"),
+        "diverged_at_step": manifest.get("diverged_at_step"),
         "steps": last["step"] if last else 0,
         "total_steps": manifest.get("total_steps"),
         "tokens": last["tokens"] if last else 0,
@@ -69,10 +72,13 @@ def render(r: dict[str, Any]) -> str:
 
     lines = [
         f"run          {r['run_id']}  ({r['run']})",
-        f"status       {r['status']}",
+        f"status       {r['status']}"
+        + (f" at step {r['diverged_at_step']}" if r.get("diverged_at_step") is not None else ""),
         f"steps        {r['steps']} / {fmt(r['total_steps'])}   tokens {r['tokens']:,}",
         f"loss         first {fmt(r['first_loss'], '.4f')}  last {fmt(r['last_loss'], '.4f')}",
     ]
+    if r.get("failure") and r["status"] in ("failed", "diverged"):
+        lines.append(f"failure      {r['failure']}")
     if r["latest_eval"]:
         lines.append(f"latest eval  {eval_text(r['latest_eval'])}")
     if r["best_eval"]:

@@ -42,6 +42,8 @@ class CheckpointMeta:
     # per array in the model's non-Param state order; None when the run does not move it.
     model_state: list[Any] | None = None
     imported_from: str | None = None  # `runtime import hf`: the HF dir
+    # Steps training.on_nonfinite = "skip_step" skipped up to this step (its limit spans attempts).
+    skipped_steps: int = 0
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -58,6 +60,8 @@ class CheckpointMeta:
             out["router_bias"] = self.model_state  # the key checkpoints have always used
         if self.imported_from is not None:
             out["imported_from"] = self.imported_from
+        if self.skipped_steps:
+            out["skipped_steps"] = self.skipped_steps
         return out
 
     @classmethod
@@ -73,6 +77,7 @@ class CheckpointMeta:
                 data_state=raw.get("data_state"),
                 model_state=raw.get("router_bias"),
                 imported_from=raw.get("imported_from"),
+                skipped_steps=int(raw.get("skipped_steps", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(

@@ -13,17 +13,23 @@ a missing bucket or permission stays StorageError (exit 2).
 
 A torn last JSONL line (a crash mid-append) is dropped with a warning by readers and cut off the
 file by the writer before it appends again; a bad line anywhere else is corruption.
+
+Everything written is strict JSON: a NaN or infinite float (a diverged step's loss) is written
+`null`, never a bare NaN/Infinity that other JSON readers refuse.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import posixpath
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import numpy as np
 
 from jobspec.errors import StorageError
 from jobspec.storage import (
@@ -431,16 +437,37 @@ def _cut_torn_tail(fd: int, size: int) -> bool:
     return True
 
 
+def finite_json(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float (numpy's too) replaced by None, so it serialises
+    as strict JSON: a diverged step's loss is written `null`, never a bare NaN/Infinity."""
+    if isinstance(obj, float | np.floating):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
+def _dumps(obj: Any, **kw: Any) -> str:
+    """Strict JSON (allow_nan=False); non-finite floats become null. The common case (every
+    float finite) is serialised once, without walking the object."""
+    try:
+        return json.dumps(obj, allow_nan=False, **kw)
+    except ValueError:
+        return json.dumps(finite_json(obj), allow_nan=False, **kw)
+
+
 def _dump_json(uri: str, obj: Any) -> bytes:
     try:
-        return (json.dumps(obj, indent=2) + "\n").encode()
+        return (_dumps(obj, indent=2) + "\n").encode()
     except (TypeError, ValueError) as e:
         raise TypeError(f"cannot serialise {uri} as JSON: {e}") from e
 
 
 def _dump_jsonl_row(uri: str, row: dict) -> bytes:
     try:
-        return (json.dumps(row, separators=(",", ":")) + "\n").encode()
+        return (_dumps(row, separators=(",", ":")) + "\n").encode()
     except (TypeError, ValueError) as e:
         raise TypeError(f"cannot serialise a row of {uri} as JSON: {e}") from e
 

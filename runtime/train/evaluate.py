@@ -34,6 +34,7 @@ class Evaluator:
             out_shardings=rep,
         )
         self._loaders: dict[str, TokenBatches] = {}  # one per split: offsets are read once
+        self._last: tuple[int, dict[str, float]] | None = None  # the last step evaluated
 
     def _loader(self, split: str) -> TokenBatches:
         if split not in self._loaders:
@@ -86,9 +87,14 @@ class Evaluator:
         return t.eval_every > 0 and step % t.eval_every == 0 and step < t.total_steps
 
     def maybe_run(self, step: int, state, run_art, emit, *, final: bool = False) -> dict | None:
-        """Every configured eval when `step` is due, or at the end of a run that has evals."""
+        """Every configured eval when `step` is due, or at the end of a run that has evals; a
+        step already evaluated (a --max-steps stop on a periodic eval) is not evaluated twice."""
+        if self._last is not None and self._last[0] == step:
+            return self._last[1]
         if self.due(step) or (final and self.cfg.evals):
-            return self.run(state.params, step, run_art, emit, state.model_state)
+            losses = self.run(state.params, step, run_art, emit, state.model_state)
+            self._last = (step, losses)
+            return losses
         return None
 
     def run(

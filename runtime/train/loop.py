@@ -6,25 +6,28 @@ loop; host-global files go through the ArtifactStore, which only the writer may 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jobspec.errors import CheckpointError, ConfigError
+from jobspec.errors import CheckpointError, ConfigError, DivergedError
 from jobspec.exit_codes import EXIT_RESTARTABLE
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
 from jobspec.storage import RetryPolicy, configure_gcs_env, join
+from runtime.data.eval_rows import check_evals
 from runtime.data.loader import TokenBatches, check_for_run, train_batches
 from runtime.data.mixture import load_data
 from runtime.host import boot, startup
 from runtime.host.coordination import HostWatchdog, StopAgreement
 from runtime.model.build import build_model
-from runtime.model.sharding import batch_sharding, build_mesh
+from runtime.model.sharding import batch_sharding, build_mesh, replicated
 from runtime.observe import ledger as buckets
 from runtime.observe.ledger import TimeLedger
 from runtime.observe.profile import ProfileWindow
@@ -54,7 +57,7 @@ from runtime.train.state import (
 
 @dataclass
 class TrainResult:
-    status: str  # completed | interrupted | stopped
+    status: str  # completed | interrupted | stopped (a diverged run raises DivergedError)
     exit_code: int
     summary: dict
 
@@ -140,7 +143,8 @@ def _initial_state(
     from_step: int | None = None,
     say: StartupLog | None = None,
 ):
-    """(state, shardings, start step, decay_steps, data state) for a fresh or resumed attempt.
+    """(state, shardings, start step, decay_steps, data state, skipped steps) for a fresh or
+    resumed attempt.
 
     `from_step` resumes from that committed step instead of the latest, and discards the later
     ones once it has been read (never before: a bad choice must not cost the newer ones).
@@ -154,12 +158,13 @@ def _initial_state(
     shardings = state_shardings(parts, provisional, mesh)
     if not resume:
         state = new_state(parts, provisional, shardings, cfg.run.seed)
-        return state, shardings, 0, cfg.optimizer.schedule.decay_steps or total_steps, None
+        return state, shardings, 0, cfg.optimizer.schedule.decay_steps or total_steps, None, 0
     start_step = ckpt.resolve("latest" if from_step is None else from_step)
     if say is not None:
         say(f"restoring checkpoint {start_step}")
     # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.
     check_compatible(ckpt.fingerprint(start_step), fp, step=start_step, reshard=reshard)
+    fallback = "rollback" if boot.current() else "resume"
     try:
         with ledger.timing(buckets.RESTORE):
             params, opt_state, meta = ckpt.restore(
@@ -167,8 +172,14 @@ def _initial_state(
                 params_target=parts.params,
                 opt_state_target=abstract_opt_state(provisional, parts.params, shardings),
                 # A launched job (booted by `runtime worker`) is resumed by submitting it again.
-                fallback="rollback" if boot.current() else "resume",
+                fallback=fallback,
             )
+            # Saves are finite (the loop checks first): NaN/inf read back is damage, said now
+            # rather than as a divergence at the first step.
+            if not _all_finite((params, opt_state), mesh):
+                raise ckpt.unreadable(
+                    start_step, "its arrays hold NaN or infinite values", fallback=fallback
+                )
     except UnreadableCheckpointError as e:
         try:
             _record_unreadable(ckpt, e)
@@ -179,7 +190,20 @@ def _initial_state(
     if from_step is not None:
         _discard_later(ckpt, from_step)
     state = restored_state(parts, params, opt_state, meta, shardings)
-    return state, shardings, start_step, meta.decay_steps, meta.data_state_for(jax.process_index())
+    data_state = meta.data_state_for(jax.process_index())
+    return state, shardings, start_step, meta.decay_steps, data_state, meta.skipped_steps
+
+
+def _all_finite(tree: Any, mesh) -> bool:
+    """Whether every floating array of `tree` is finite: one small program, once per restore."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves:
+        return True
+    check = jax.jit(
+        lambda xs: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in xs])),
+        out_shardings=replicated(mesh),
+    )
+    return bool(np.asarray(jax.device_get(check(leaves))))
 
 
 def _record_unreadable(ckpt: CheckpointService, e: UnreadableCheckpointError) -> None:
@@ -228,11 +252,12 @@ def _prepare(
 ) -> Run:
     fp = run_fingerprint(cfg, manifest)
     say(f"building the model on a {_mesh_text(mesh)} mesh")
-    parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
-    say("creating the optimizer state" if not resume else "reading the checkpoint index")
-    state, state_sh, start_step, decay_steps, data_state = _initial_state(
-        cfg, resume, reshard, ckpt, fp, parts, mesh, ledger, from_step, say
-    )
+    with ledger.timing(buckets.MODEL_INIT):  # a restore inside it is timed as restore
+        parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
+        say("creating the optimizer state" if not resume else "reading the checkpoint index")
+        state, state_sh, start_step, decay_steps, data_state, skipped = _initial_state(
+            cfg, resume, reshard, ckpt, fp, parts, mesh, ledger, from_step, say
+        )
     tx, schedule = build_optimizer(cfg.optimizer, decay_steps)
     t = cfg.training
     say("opening the data loader")
@@ -246,6 +271,7 @@ def _prepare(
         cfg.metrics, store, run_id=cfg.run.id, start_step=start_step, config=resolved_dict(cfg)
     )
     art = artifacts.RunArtifacts(store, cfg, source_toml, ledger, sinks)
+    art.skipped_steps = skipped  # skip_step's count goes on from the checkpoint's
     art.start(
         resume=resume,
         start_step=start_step,
@@ -309,8 +335,11 @@ def _train(
         if cfg.data.prepare is None
         else "reading the data (prepared on first use)"
     )
-    manifest = load_data(cfg.data, is_writer=store.is_writer)  # or a [[data.sources]] mixture
+    with ledger.timing(buckets.DATA_OPEN):
+        manifest = load_data(cfg.data, is_writer=store.is_writer)  # or [[data.sources]]
     check_for_run(manifest, cfg.data, cfg.model.vocab_size, cfg.training)
+    # An eval whose split gives no row ends the run here, before any step (not at its end).
+    small_evals = check_evals(manifest, cfg)
     mesh = build_mesh(cfg.mesh)
     ckpt = CheckpointService(
         store,
@@ -334,6 +363,10 @@ def _train(
         stop.restore()
         ckpt.close(after_failure=True)  # logs what it cannot finish: the first error wins
         raise
+    for small in small_evals:  # rows reused within an eval: said once, and recorded
+        if store.is_writer:
+            print(f"warning: {small['message']}", file=sys.stderr, flush=True)
+        run.art.event("eval_rows_reused", **small)
     if resume:
         emit(
             f"resumed {cfg.run.id} from checkpoint {run.start_step}; training to step {cfg.training.total_steps}"
@@ -356,7 +389,9 @@ def _train(
         watchdog.explain_failure(e)
         # What was committed stays; the failure is recorded at the step reached (run.step is
         # moved on as each step completes); a half-save never becomes latest.
-        run.art.fail(run.step, e)
+        run.art.fail(
+            run.step, e, _settled_index(run.ckpt) if isinstance(e, DivergedError) else None
+        )
         raise
     finally:
         run.profile.abandon()
@@ -426,19 +461,27 @@ def _loop(
                 or profile.ends_at(step),
                 timed=not traced,
             )  # fmt: skip
+            # Read from the rows just fetched (no sync of its own); every step before an eval,
+            # a save or the end is fetched, so nothing non-finite is evaluated or saved.
+            if run.art.nonfinite is not None:
+                raise _diverged(run)
             if traced:
                 with ledger.timing(buckets.PROFILE):
                     if (captured := profile.stop(step, m, emit)) is not None:
                         run.art.event("profile", **captured)
                         run.art.meter.mark(step)
+            # The save first: an eval that fails (or never ends) cannot cost the checkpoint; the
+            # eval's loss reaches the index afterwards (it picks `best`).
+            if save_due:
+                watchdog.progress(step, "checkpoint")
+            with ledger.timing(buckets.CHECKPOINT):
+                saved = _save(run)
             if eval_due:
                 watchdog.progress(step, "eval")  # may be long: its own compile, many batches
             with ledger.timing(buckets.EVAL):
                 eval_metrics = run.evaluator.maybe_run(step, run.state, run.art, emit)
-            if save_due:
-                watchdog.progress(step, "checkpoint")
-            with ledger.timing(buckets.CHECKPOINT):
-                _save(run, eval_metrics)
+            if saved:
+                _save_metrics(run, eval_metrics)
             if pause:
                 watchdog.progress(step)  # back to stepping
                 run.art.meter.mark(step)  # eval and save time is not training throughput
@@ -458,6 +501,11 @@ def _finish(
     run.ledger.switch(buckets.FINISH)
     extra: dict[str, Any] = {}
     save = status != "interrupted" or cfg.checkpoint.on_signal
+    # The final save starts before the final evals: one that raises still leaves it committed
+    # (the failure path waits for started saves), and their loss is added to its entry.
+    if save:
+        with run.ledger.timing(buckets.CHECKPOINT):
+            _save(run, final=True)
     with run.ledger.timing(buckets.EVAL):
         eval_metrics = (
             run.evaluator.maybe_run(step, run.state, run.art, emit, final=True)
@@ -466,7 +514,7 @@ def _finish(
         )
     if save:
         with run.ledger.timing(buckets.CHECKPOINT):
-            _save(run, eval_metrics, final=True)
+            _save_metrics(run, eval_metrics)
             run.ckpt.wait()
     if status == "interrupted":
         extra["signal"] = name = stop.reason or "signal"
@@ -481,8 +529,55 @@ def _finish(
     return TrainResult(status, EXIT_RESTARTABLE if status == "interrupted" else 0, summary)
 
 
-def _save(run: Run, eval_metrics: dict[str, float] | None, *, final: bool = False) -> None:
-    """Hand the checkpoint service this step; it saves when the step is due, or when final."""
+def _diverged(run: Run) -> DivergedError:
+    """The one sentence for a run that stops on a non-finite step (training.on_nonfinite)."""
+    bad, cfg = run.art.nonfinite or {}, run.cfg
+    figures = ", ".join(
+        f"{k} {'-' if bad.get(k) is None else format(bad[k], '.4g')}"
+        for k in artifacts.NONFINITE_KEYS
+    )
+    if "skipped_steps" in bad:
+        what = (
+            f"run {cfg.run.id} skipped {bad['skipped_steps']} steps with a non-finite loss or "
+            f"gradient, more than training.max_skipped_steps = {cfg.training.max_skipped_steps} "
+            f"(the last at step {bad['step']}: {figures})"
+        )
+    else:
+        what = f"run {cfg.run.id} diverged at step {bad.get('step')} ({figures})"
+    newest = run.ckpt.newest()
+    kept = (
+        "no checkpoint was saved"
+        if newest is None
+        else f"the newest checkpoint, {newest}, is finite"
+    )
+    return DivergedError(
+        f"{what}; it stopped before saving anything non-finite ({kept}) and is not restarted, "
+        "since resuming with the same settings and data diverges again: lower optimizer.lr or "
+        "fix the data and start a new run.id, or roll back past a damaged checkpoint with "
+        f"`runtime checkpoints rollback {run.store.uri('')} --to-step N`",
+        step=int(bad.get("step") or run.step),
+    )
+
+
+def _settled_index(ckpt: CheckpointService) -> dict:
+    """The index once started saves are committed (every host stops at the same step, so the
+    waits line up); as it stands if that fails (the failure being reported matters more)."""
+    try:
+        ckpt.wait()
+    except Exception:  # noqa: BLE001
+        pass
+    return ckpt.read_index()
+
+
+def _save_metrics(run: Run, eval_metrics: dict[str, float] | None) -> None:
+    """The first eval's loss onto the checkpoint of this step (saved before the eval ran)."""
+    if eval_metrics and run.cfg.evals:
+        run.ckpt.set_metrics(run.step, {"val_loss": eval_metrics[run.cfg.evals[0].name]})
+
+
+def _save(run: Run, *, final: bool = False) -> bool:
+    """Hand the checkpoint service this step; it saves when the step is due, or when final.
+    True when a save started. The caller has checked the step's metrics are finite."""
     step, cfg = run.step, run.cfg
 
     def meta() -> CheckpointMeta:
@@ -499,15 +594,12 @@ def _save(run: Run, eval_metrics: dict[str, float] | None, *, final: bool = Fals
             model_state=model_state_record(run.state)
             if cfg.model.router_bias_update_rate > 0
             else None,
+            skipped_steps=run.art.skipped_steps,
         )
 
-    metrics = {"val_loss": eval_metrics[cfg.evals[0].name]} if eval_metrics else None
     if run.ckpt.maybe_save(
-        step,
-        params=run.state.params,
-        opt_state=run.state.opt_state,
-        meta=meta,
-        metrics=metrics,
-        final=final,
+        step, params=run.state.params, opt_state=run.state.opt_state, meta=meta, final=final
     ):
-        run.art.event("checkpoint", step=step, metrics=metrics)
+        run.art.event("checkpoint", step=step)
+        return True
+    return False

@@ -45,6 +45,7 @@ def train_program(
         router_bias_update_rate=cfg.model.router_bias_update_rate,
         loss_chunk_size=t.loss_chunk_size,
         count_dropped=cfg.model.moe_capacity_factor is not None,
+        skip_nonfinite=t.on_nonfinite == "skip_step",
     )
 
     return jax.jit(

@@ -91,7 +91,8 @@ def restored_state(
     return TrainState(
         params=params,
         opt_state=opt_state,
-        step=jax.device_put(jnp.asarray(meta.step, jnp.int32), rep),
+        # Optimizer steps taken: the run's steps less those skip_step skipped.
+        step=jax.device_put(jnp.asarray(meta.step - meta.skipped_steps, jnp.int32), rep),
         rng=jax.device_put(np.asarray(meta.rng, dtype=np.uint32), rep),
         model_state=model_state_from_meta(parts.others, meta, rep),
     )

@@ -80,6 +80,7 @@ def make_train_step(
     router_bias_update_rate: float = 0.0,
     loss_chunk_size: int = 0,
     count_dropped: bool = False,
+    skip_nonfinite: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The jit-able train step. With objective="clipped_pg" every batch also carries
     PG_BATCH_KEYS (float32 [accum, rows, seq_len]) and the loss is the clipped policy gradient.
@@ -88,7 +89,13 @@ def make_train_step(
     pass, recomputed) that many positions at a time, never whole; 0 = whole sequence.
 
     count_dropped (an MoE with a capacity factor): rows gain `moe_dropped_tokens`, the token ->
-    expert assignments the capacity dropped this step, summed over layers and microbatches."""
+    expert assignments the capacity dropped this step, summed over layers and microbatches.
+
+    skip_nonfinite (training.on_nonfinite = "skip_step"): a step whose loss, gradient norm or
+    updated parameter norm is NaN/inf keeps the parameters, optimizer state, model state and
+    optimizer step count it was given (a select on device: no host sync), so the schedule goes
+    on where it was; metrics add `skipped` (1.0 when it was). The values are global, so every
+    host decides the same."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if loss_chunk_size < 0:
@@ -130,12 +137,14 @@ def make_train_step(
         updates, opt_state = tx.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
         rng, _ = jax.random.split(state.rng)
+        loss = loss_sum / denom
+        param_norm = optax.tree.norm(new_params)
         metrics = {
-            "loss": loss_sum / denom,
+            "loss": loss,
             "loss_sum": loss_sum,
             "token_count": count,
             "grad_norm": grad_norm,
-            "param_norm": optax.tree.norm(new_params),
+            "param_norm": param_norm,
             "lr": schedule(state.step),
         }
         if objective == "clipped_pg":  # share of counted tokens whose probability ratio was clipped
@@ -147,10 +156,22 @@ def make_train_step(
             metrics["expert_load_max_over_mean"] = load_max_over_mean(loads)
             if rate > 0:
                 model_others = update_router_bias(model_others, loads, rate)
+        next_step = state.step + 1
+        if skip_nonfinite:
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(param_norm)
+
+            def keep(new: Any, old: Any) -> Any:
+                return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+            new_params = keep(new_params, params)
+            opt_state = keep(opt_state, state.opt_state)
+            model_others = keep(model_others, state.model_state)
+            next_step = jnp.where(finite, next_step, state.step)  # no optimizer step taken
+            metrics["skipped"] = jnp.logical_not(finite).astype(jnp.float32)
         new_state = TrainState(
             params=new_params,
             opt_state=opt_state,
-            step=state.step + 1,
+            step=next_step,
             rng=rng,
             model_state=model_others,
         )

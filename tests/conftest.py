@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -124,6 +125,18 @@ class GcsEmulator:
     name: str
     conditional_writes: bool  # what Orbax's OCDBT saves need to commit reliably
 
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions_restored() -> Iterator[None]:
+    """A test that runs host code in this process (a prepare host parks with SIGINT and SIGTERM
+    ignored) must not leave them ignored: every later subprocess would inherit SIG_IGN, and a
+    Python child started with SIGINT ignored never raises KeyboardInterrupt."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)
 
 @pytest.fixture(scope="session")
 def gcs_emulator() -> Iterator[GcsEmulator]:

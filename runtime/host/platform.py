@@ -7,8 +7,8 @@ load CUDA") and libtpu's host-bounds warnings, on every command: output that loo
 when nothing failed. So the platform is chosen deliberately from the devices this machine has,
 and JAX_PLATFORMS names it (accelerator first, cpu as the host platform):
 
-* a TPU (libtpu installed, and /dev/accel* or /dev/vfio/N, or the TPU_ACCELERATOR_TYPE that TPU
-  VMs, GKE TPU pods and the launchers set): ``tpu,cpu``;
+* a TPU (libtpu installed, and /dev/accel* (v2-v4) or /dev/vfio/N (v5e and later), as on a TPU
+  VM or a GKE TPU pod): ``tpu,cpu``;
 * an NVIDIA GPU (a CUDA plugin installed, and /dev/nvidia0 or a loaded driver): ``cuda,cpu``;
 * an AMD GPU (a ROCm plugin installed, and /dev/kfd): ``rocm,cpu``;
 * else ``cpu``.
@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, MutableMapping
 
 _chosen_here = False
 _CUDA_MODULES = ("jax_cuda12_plugin", "jax_cuda13_plugin")
@@ -62,13 +62,15 @@ def _plugin(prefix: str) -> bool:
     )
 
 
-def _tpu_here(env: Mapping[str, str], root: str) -> bool:
+def _tpu_here(root: str) -> bool:
+    # The device files alone: TPU_* variables are also set off a TPU (`runtime plan` sets them
+    # for libtpu's compile-only topologies), and a TPU VM or GKE TPU pod always has the files.
     if not _installed("libtpu"):
         return False
     devices = glob.glob(os.path.join(root, "dev/accel[0-9]*")) + [
         p for p in glob.glob(os.path.join(root, "dev/vfio/*")) if os.path.basename(p).isdigit()
     ]
-    return bool(devices) or bool(env.get("TPU_ACCELERATOR_TYPE"))
+    return bool(devices)
 
 
 def _nvidia_here(root: str) -> bool:
@@ -82,10 +84,9 @@ def _rocm_here(root: str) -> bool:
     return _plugin("rocm") and os.path.exists(os.path.join(root, "dev/kfd"))
 
 
-def detect(env: Mapping[str, str] | None = None, root: str = "/") -> str:
+def detect(root: str = "/") -> str:
     """The JAX_PLATFORMS value for this machine's devices (see the module docstring)."""
-    env = os.environ if env is None else env
-    if _tpu_here(env, root):
+    if _tpu_here(root):
         return "tpu,cpu"
     if _nvidia_here(root):
         return "cuda,cpu"
@@ -100,7 +101,7 @@ def choose(env: MutableMapping[str, str] | None = None) -> str:
     global _chosen_here
     env = os.environ if env is None else env
     if not env.get("JAX_PLATFORMS"):
-        env["JAX_PLATFORMS"] = detect(env)
+        env["JAX_PLATFORMS"] = detect()
         _chosen_here = True
     platforms = {p.strip().lower() for p in env["JAX_PLATFORMS"].split(",")}
     if not platforms & {"cuda", "gpu"}:

@@ -18,6 +18,9 @@ def prepare_environment(accelerator: str) -> None:
     if is_gpu(accelerator):
         platform.unhide_cuda_plugin()  # GPU targets compile through the CUDA plugin
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Compile-only executables cannot be loaded without a client, so a persistent compilation
+    # cache only warns on a plan's second run ("PjRtCompiler must be constructed with a Client").
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     # libtpu describes the local TPU host when it loads; off a TPU VM it logs a page of
     # warnings (and an INVALID_ARGUMENT it recovers from) unless told there is one host and no
     # metadata server. Compile-only topologies do not use these values.

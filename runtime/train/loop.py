@@ -333,7 +333,7 @@ def _train(
     say(
         "reading the data"
         if cfg.data.prepare is None
-        else "reading the data (prepared on first use)"
+        else "reading the data (preparing it first where it is missing)"
     )
     with ledger.timing(buckets.DATA_OPEN):
         manifest = load_data(cfg.data, is_writer=store.is_writer)  # or [[data.sources]]

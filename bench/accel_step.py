@@ -2,6 +2,14 @@
 
     python bench/accel_step.py [--model configs/models/qwen3-0.6b.toml|tiny] [--shapes 2048x8,4096x4]
                                [--steps 20] [--set model.remat=block ...] [--profile-top 15]
+                               [--variant 'NAME:KEY=VALUE;KEY=VALUE' ...]
+
+Each `--variant` runs every shape again with its settings on top of the `--set` ones (rows carry
+`variant`), in the same process, so variants are compared under the same conditions. Besides
+run-config keys a variant may set two kernel knobs that are not run settings:
+`kernel.splash_block=N` (splash attention's block sizes, all eight of them) and
+`kernel.fused_ce=false` (the chunked loss with autodiff's recomputed logits instead of the
+fused gradient, train/loss.py FUSED_CROSS_ENTROPY).
 
 For each shape (seq_len x global batch), in one process, one after another (each step, its
 state and its compiled program are dropped before the next shape is built, so two models never
@@ -55,10 +63,12 @@ from gpu_check import SIZES  # noqa: E402
 from step_overhead import runtime_step  # noqa: E402
 
 from jobspec.load import merge, parse_run_config  # noqa: E402
+from runtime.model import attention as attention_module  # noqa: E402
 from runtime.model.flops import flops_per_token  # noqa: E402
 from runtime.run.artifacts import device_peak  # noqa: E402
 
 GIB = 2**30
+DEFAULT_SPLASH_BLOCKS = attention_module._SPLASH_BLOCKS
 
 
 def model_table(model: str) -> dict[str, Any]:
@@ -99,6 +109,19 @@ def parse_sets(pairs: list[str]) -> dict[str, Any]:
             cur = cur.setdefault(p, {})
         cur[leaf] = value
     return out
+
+
+def apply_kernel_knobs(knobs: dict[str, Any]) -> None:
+    """Set (or reset, for an empty dict) the bench-only kernel knobs of a variant."""
+    from runtime.train import loss
+
+    unknown = set(knobs) - {"splash_block", "fused_ce"}
+    if unknown:
+        raise SystemExit(f"error: unknown kernel knob(s) {sorted(unknown)}")
+    block = knobs.get("splash_block")
+    attention_module._SPLASH_BLOCKS = (block,) if block else DEFAULT_SPLASH_BLOCKS
+    attention_module._splash_kernel.cache_clear()
+    loss.FUSED_CROSS_ENTROPY = bool(knobs.get("fused_ce", True))
 
 
 def compiled_memory(compiled) -> dict[str, float] | None:
@@ -210,15 +233,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--profile-top", type=int, default=0, metavar="K")
+    ap.add_argument("--variant", dest="variants", action="append", default=[],
+                    metavar="NAME:KEY=VALUE;...")  # fmt: skip
     args = ap.parse_args()
-    sets = parse_sets(args.sets)
+    variants = []
+    for v in args.variants or [":"]:
+        name, _, pairs = v.partition(":")
+        more = parse_sets(args.sets + [p for p in pairs.split(";") if p.strip()])
+        variants.append((name or None, more.pop("kernel", {}), more))
     devices = jax.devices()
     head = {"bench": "accel_step", "model": args.model, "backend": jax.default_backend(),
             "device_kind": devices[0].device_kind, "devices": len(devices)}  # fmt: skip
-    for shape in args.shapes.split(","):
-        seq, _, batch = shape.strip().partition("x")
-        row = measure(args.model, int(seq), int(batch), args.steps, sets, args.profile_top)
-        print(json.dumps({**head, **row}), flush=True)
+    for name, knobs, sets in variants:
+        apply_kernel_knobs(knobs)
+        for shape in args.shapes.split(","):
+            seq, _, batch = shape.strip().partition("x")
+            row = measure(args.model, int(seq), int(batch), args.steps, sets, args.profile_top)
+            tag = {"variant": name, "kernel": knobs} if name else {}
+            print(json.dumps({**head, **tag, **row}), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ import tempfile
 import time
 
 from jobspec.run_config import MetricsConfig
+from jobspec.run_store import ArtifactStore
 from runtime.observe.ledger import TimeLedger
 from runtime.observe.sinks import MetricSinks
-from runtime.run.store import ArtifactStore
 
 
 def _row(step: int) -> dict:

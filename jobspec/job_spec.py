@@ -24,6 +24,9 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` passes "NAME\
 # A Kubernetes resource quantity, as emptyDir sizeLimit takes it (e.g. 8Gi, 512Mi).
 QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")  # fullmatch
 RESERVED_ENV = ("JAXJOB_", "JAX_COORDINATOR", "JAX_PLATFORMS")
+# The local backend runs every host as a process on this machine: past a few dozen they only
+# contend for its cores and memory (and 20,000 wrote a 16 MB hosts.json).
+MAX_LOCAL_PROCESSES = 64
 
 
 class Spec(BaseModel):
@@ -228,9 +231,20 @@ class JobSpec(Spec):
         return self.catalogue.chips_per_host
 
     def host_processes(self, backend: Literal["local", "slurm", "k8s"]) -> int:
-        if backend == "local":
-            return self.local.processes or self.total_hosts
-        return self.total_hosts
+        if backend != "local":
+            return self.total_hosts
+        procs = self.local.processes or self.total_hosts
+        if procs > MAX_LOCAL_PROCESSES:
+            fixed = self.catalogue.hosts_per_slice is not None  # a TPU slice's own host count
+            field = (
+                "local.processes" if self.local.processes else "accelerator" if fixed else "hosts"
+            )
+            raise ConfigError(
+                f"{field}: {procs} host processes is more than the {MAX_LOCAL_PROCESSES} the local "
+                "backend runs on one machine; use fewer (and a mesh to match), or the slurm or k8s "
+                "backend"
+            )
+        return procs
 
 
 def spec_yaml(spec: JobSpec) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -109,11 +110,36 @@ def _parse_toml_file(p: Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
     try:
-        return tomllib.loads(p.read_text())
+        text = p.read_text()
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: TOML syntax error: {e}") from None
+        raise ConfigError(
+            _duplicate_key(p, text, str(e)) or f"{p}: TOML syntax error: {e}"
+        ) from None
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not a UTF-8 text file") from None
+
+
+_OVERWRITE = re.compile(r"Cannot overwrite a value \(at line (\d+), column \d+\)")
+_HEADER = re.compile(r"\s*\[\[?\s*([^\]]+?)\s*\]\]?")
+
+
+def _duplicate_key(p: Path, text: str, err: str) -> str | None:
+    """tomllib's "Cannot overwrite a value" names no key: the sentence names it (under its
+    table) from the line it points at. None when `err` is another error."""
+    m = _OVERWRITE.fullmatch(err)
+    lines = text.splitlines()
+    if m is None or not 0 < int(m.group(1)) <= len(lines):
+        return None
+    n = int(m.group(1))
+    header = _HEADER.match(lines[n - 1])
+    key = header.group(1) if header else lines[n - 1].split("=", 1)[0].strip()
+    table = next((h.group(1) for ln in reversed(lines[: n - 1]) if (h := _HEADER.match(ln))), None)
+    name = f"{table}.{key}" if table and not header else key
+    return (
+        f"{p}: line {n}: the key {name} is given twice (TOML allows each key once); "
+        "delete one of them"
+    )
 
 
 def resolve_includes(

@@ -51,14 +51,15 @@ MAX_ALIAS_NODES = 10_000  # nodes that aliases may add in all, counted as fully 
 MAX_DEPTH = 100  # nesting of mappings and lists (PyYAML's composer recurses per level)
 
 
-class _AliasBudgetError(yaml.MarkedYAMLError):
-    """An alias pushed the document past MAX_ALIAS_NODES, a recursive alias, or too deep."""
+class _RefusedError(yaml.MarkedYAMLError):
+    """An alias pushed the document past MAX_ALIAS_NODES, a recursive alias, too deep a nesting,
+    or a key given twice in one mapping."""
 
 
 class _BoundedLoader(yaml.SafeLoader):
     """yaml.SafeLoader that counts what every alias expands to and refuses a document whose
-    aliases would add more than MAX_ALIAS_NODES nodes, an alias inside its own anchor (a cycle)
-    or a nesting deeper than MAX_DEPTH, naming the line."""
+    aliases would add more than MAX_ALIAS_NODES nodes, an alias inside its own anchor (a cycle),
+    a nesting deeper than MAX_DEPTH or a mapping that gives a key twice, naming the line."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -73,13 +74,13 @@ class _BoundedLoader(yaml.SafeLoader):
             if target is not None:  # an undefined alias is the composer's own error
                 size = self._sizes.get(id(target))
                 if size is None:
-                    raise _AliasBudgetError(
+                    raise _RefusedError(
                         None, None, f"the alias *{event.anchor} refers to its own anchor "
                         "(a recursive structure), which a job spec cannot hold", event.start_mark
                     )  # fmt: skip
                 self._alias_nodes += size
                 if self._alias_nodes > MAX_ALIAS_NODES:
-                    raise _AliasBudgetError(
+                    raise _RefusedError(
                         None, None, f"the alias *{event.anchor} makes the aliases expand to more "
                         f"than {MAX_ALIAS_NODES:,} values (an alias bomb?); write the values out "
                         "or use fewer aliases", event.start_mark
@@ -88,7 +89,7 @@ class _BoundedLoader(yaml.SafeLoader):
         self._depth += 1
         if self._depth > MAX_DEPTH:
             mark = self.peek_event().start_mark
-            raise _AliasBudgetError(
+            raise _RefusedError(
                 None, None, f"the document nests more than {MAX_DEPTH} levels deep", mark
             )
         try:
@@ -96,6 +97,7 @@ class _BoundedLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
         if isinstance(node, yaml.MappingNode):
+            _refuse_duplicate_keys(node)
             children = [n for pair in node.value for n in pair]
         elif isinstance(node, yaml.SequenceNode):
             children = node.value
@@ -103,6 +105,26 @@ class _BoundedLoader(yaml.SafeLoader):
             children = []
         self._sizes[id(node)] = 1 + sum(self._sizes.get(id(c), 1) for c in children)
         return node
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _refuse_duplicate_keys(node: yaml.MappingNode) -> None:
+    """PyYAML keeps the last of two equal keys without a word (`max_restarts: 3` … `max_restarts:
+    0` would silently mean 0). Checked on the mapping as written: a key that overrides what a
+    `<<: *anchor` merge brings in is YAML's own override, not a duplicate."""
+    seen: dict[tuple[str, str], yaml.Node] = {}
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == _MERGE_TAG:
+            continue
+        first = seen.setdefault((key.tag, key.value), key)
+        if first is not key:
+            raise _RefusedError(
+                None, None, f"the key {key.value!r} is given twice in one mapping (first at line "
+                f"{first.start_mark.line + 1}); YAML would keep only the last, so delete one",
+                key.start_mark,
+            )  # fmt: skip
 
 
 def _safe_load(text: str) -> object:
@@ -128,7 +150,7 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
     try:
         data = _safe_load(text)
-    except _AliasBudgetError as e:
+    except _RefusedError as e:
         mark = e.problem_mark
         raise ConfigError(f"{path}: line {mark.line + 1}: {e.problem}") from None
     except yaml.YAMLError as e:

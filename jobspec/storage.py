@@ -10,10 +10,11 @@ import os
 import posixpath
 import random
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 
@@ -61,6 +62,10 @@ def url_to_fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
                 f"{uri} is a gs:// URI but gcsfs is not installed; install jaxjob with the 'gcs' extra "
                 "(pip install 'jaxjob[gcs]')"
             ) from e
+        # Every gcsfs request reports its failures here, so a try cut off by its deadline while
+        # gcsfs was still retrying inside it names what the server answered (HTTP 503), not
+        # only that it did not return.
+        kwargs["session_kwargs"] = {"trace_configs": [_gcs_trace()]}
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
         if emulator:
             kwargs["token"] = "anon"
@@ -128,6 +133,8 @@ def storage_fault(e: BaseException) -> Fault | None:
         if isinstance(x, OSError) and x.errno in _FAULT_ERRNOS:
             text = x.strerror or os.strerror(x.errno)
             return Fault(f"{text} ({_FAULT_ERRNOS[x.errno]})", x.errno in _DISK_ERRNOS)
+        if isinstance(x, NoAnswer):
+            return Fault(str(x), False)
         if isinstance(x, TimeoutError):  # asyncio's and fsspec's timeouts are this class too
             return Fault(_one_line(f"timed out ({x})" if str(x) else "timed out"), False)
         code = getattr(x, "code", None) if type(x).__name__ == "HttpError" else None
@@ -177,9 +184,11 @@ class RetryPolicy:
     """How long storage calls are retried before a fault ends the job (exit 45, restartable).
 
     gs:// (5xx, 429, timeouts, connection errors): exponential backoff with full jitter until
-    `total_s` (runtime.storage_retry_s) has passed; each try already includes gcsfs's own ~30 s
-    of retries. A local disk fault (ENOSPC, EIO): `disk_tries` tries `disk_wait_s` apart, since
-    freeing space takes a person, not a second.
+    `total_s` (runtime.storage_retry_s) has passed. A local disk fault (ENOSPC, EIO):
+    `disk_tries` tries `disk_wait_s` apart, since freeing space takes a person, not a second.
+    Every try has a deadline: `call_s`, and never past the end of `total_s` (at least
+    MIN_TRY_S); a try that has not returned by then is a failed try ("did not answer"), so a
+    server that stops answering costs `total_s`, not gcsfs's minutes per request.
     """
 
     total_s: float = 120.0
@@ -187,6 +196,7 @@ class RetryPolicy:
     max_s: float = 20.0
     disk_tries: int = 3
     disk_wait_s: float = 0.5
+    call_s: float = 60.0
 
 
 DEFAULT_RETRY = RetryPolicy()
@@ -207,15 +217,23 @@ def on_retry(listener: Callable[[], None], *, remove: bool = False) -> None:
 
 
 def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy = DEFAULT_RETRY) -> T:
-    """`fn()`, retried while it fails with a storage fault; once the retries are spent, the fault
-    is a StorageFaultError naming `what` (e.g. "write gs://b/run/x.json") and the original error.
-    Any other exception passes through untouched, for the caller to put in its own words."""
+    """`fn()`, retried while it fails with a storage fault or does not answer in time; once the
+    retries are spent, the fault is a StorageFaultError naming `what` (e.g. "write
+    gs://b/run/x.json") and the original error. Any other exception passes through untouched,
+    for the caller to put in its own words.
+
+    After a stop was asked for (`interrupt`) a call is given up STOP_GRACE_S after the stop (or
+    after it started), retries included; once an earlier call gave up on a storage that does not
+    answer, a call gets one short try (DOWN_TRY_S) and no retries. The process is on its way out
+    then and must not be held there."""
     start = time.monotonic()
     tries = 0
     while True:
         tries += 1
+        state = _state
+        down = state.down
         try:
-            return fn()
+            result = _attempt(fn, _try_limit(policy, start, down is not None), since=start)
         except Exception as e:
             fault = storage_fault(e)
             if fault is None:
@@ -227,19 +245,179 @@ def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy = DEFAULT_R
             else:
                 delay = random.uniform(0, min(policy.max_s, policy.initial_s * 2 ** (tries - 1)))
                 again = waited + delay < policy.total_s
-            if not again:
+            stopped = state.stop_reason
+            if stopped is not None and state.stop_at is not None:  # retried only briefly
+                again = again and time.monotonic() + delay < _stop_end(start, state.stop_at)
+            if not again or down is not None:
                 hint = (
                     "free space on it (or fix the disk) and restart the job"
                     if fault.disk
                     else "the job is restartable once the storage answers again"
                 )
-                raise StorageFaultError(
-                    f"cannot {what}: {fault.reason} (after {tries} tries over {waited:.0f} s); "
-                    f"{hint}"
-                ) from e
+                count = "1 try" if tries == 1 else f"{tries} tries"
+                by = f", no more after {stopped}" if stopped is not None else ""
+                err = StorageFaultError(
+                    f"cannot {what}: {fault.reason} (after {count} over {waited:.0f} s{by}); {hint}"
+                )
+                if not fault.disk:
+                    state.gave_up(str(err))
+                raise err from e
             for listener in list(_retry_listeners):
                 listener()
-            time.sleep(delay)
+            _pause(delay)
+        else:
+            if down is not None:
+                state.down = None  # it answers again
+            return result
+
+
+# ---- deadlines: a storage call that does not answer is a failed try --------------------------
+
+MIN_TRY_S = 1.0  # the shortest deadline a try gets, even at the very end of the budget
+STOP_GRACE_S = 5.0  # after a stop, how long a call in flight (or started) still waits for an answer
+DOWN_TRY_S = 3.0  # the one try a call gets once an earlier call gave up on the storage
+_POLL_S = 0.2
+
+
+class NoAnswer(TimeoutError):
+    """A storage call that did not return by its deadline. It is left running in its daemon
+    thread (a blocked read or socket cannot be cancelled from outside) and its result dropped;
+    the next try starts afresh."""
+
+
+class _State:
+    """What every storage call of this process shares: a stop asked for, and whether the storage
+    stopped answering (a call gave up on it, and none has succeeded since)."""
+
+    def __init__(self) -> None:
+        self.stop_reason: str | None = None
+        self.stop_at: float | None = None
+        self.wake = threading.Event()  # set by a stop: no retry waits out its delay
+        self.down: str | None = None  # the sentence of the call that gave up
+        self.first_give_up: str | None = None  # the first such sentence (what the run says)
+        self.last_http_fault: tuple[float, str] | None = None  # (monotonic time, what)
+
+    def gave_up(self, sentence: str) -> None:
+        self.down = sentence
+        if self.first_give_up is None:
+            self.first_give_up = sentence
+
+
+_state = _State()
+
+
+def interrupt(reason: str) -> None:
+    """A stop was asked for (`reason`: "SIGTERM"): from now on no storage call is retried, and
+    one that does not answer is given up STOP_GRACE_S after the stop (or after it started)."""
+    state = _state
+    if state.stop_reason is None:
+        state.stop_reason, state.stop_at = reason, time.monotonic()
+    state.wake.set()
+
+
+def gave_up() -> str | None:
+    """The sentence of the first call that gave up on a storage that did not answer or kept
+    failing (the StorageFaultError the run ends with), or None."""
+    return _state.first_give_up
+
+
+def answers(fn: Callable[[], Any], within_s: float) -> str | None:
+    """None if `fn()` (one storage call) returns within `within_s`, or fails in a way that is an
+    answer (a missing file); else why the storage does not answer. One try, no retries: for a
+    watcher asking whether the storage is alive."""
+    try:
+        _attempt(fn, within_s)
+    except Exception as e:
+        fault = storage_fault(e)
+        return None if fault is None else fault.reason
+    _state.down = None  # it answers again
+    return None
+
+
+def _try_limit(policy: RetryPolicy, start: float, down: bool) -> float:
+    left = policy.total_s - (time.monotonic() - start)
+    limit = min(policy.call_s, max(left, MIN_TRY_S))
+    return min(limit, DOWN_TRY_S) if down else limit
+
+
+def _pause(delay: float) -> None:
+    """The wait before a retry; a stop ends it at once (the retry is then the last try)."""
+    _state.wake.wait(delay)
+
+
+def _stop_end(since: float, stop_at: float) -> float:
+    return max(since, stop_at) + STOP_GRACE_S
+
+
+def _attempt(fn: Callable[[], T], limit_s: float, *, since: float | None = None) -> T:
+    """`fn()` in a daemon thread, waited for at most `limit_s` (after a stop, at most until
+    STOP_GRACE_S after the stop or `since`, when the call began); NoAnswer if it has not
+    returned by then. The caller's thread only waits, so signal handlers run."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller's thread as is
+            box["error"] = e
+        finally:
+            done.set()
+
+    began = time.monotonic()
+    threading.Thread(target=run, name="jaxjob-storage-call", daemon=True).start()
+    while not done.wait(_POLL_S):
+        now, state = time.monotonic(), _state
+        end = began + limit_s
+        if since is not None and state.stop_at is not None:
+            end = min(end, _stop_end(since, state.stop_at))
+        if now >= end:
+            raise NoAnswer(_no_answer(now - began, began))
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _no_answer(took: float, began: float) -> str:
+    """Why a try was cut off: what the server answered meanwhile, if it answered at all."""
+    seen = _state.last_http_fault
+    if seen is not None and seen[0] >= began:
+        return f"{seen[1]} (still failing when the try was cut off after {took:.0f} s)"
+    return f"the storage did not answer within {took:.0f} s"
+
+
+def _seen_http_fault(what: str) -> None:
+    _state.last_http_fault = (time.monotonic(), what)
+
+
+_trace: Any = None
+
+
+def _gcs_trace() -> Any:
+    """One aiohttp TraceConfig for every gcsfs session (one object, so fsspec's instance cache
+    still matches): it notes each retryable HTTP status and each failed connection."""
+    global _trace
+    if _trace is None:
+        import aiohttp
+
+        async def on_end(_session: Any, _ctx: Any, params: Any) -> None:
+            status = params.response.status
+            if status in _RETRY_HTTP:
+                _seen_http_fault(f"HTTP {status}: {params.response.reason}")
+
+        async def on_exception(_session: Any, _ctx: Any, params: Any) -> None:
+            e = params.exception
+            _seen_http_fault(_one_line(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__))
+
+        class Trace(aiohttp.TraceConfig):
+            def __reduce__(self) -> Any:  # a pickled filesystem finds this process's own
+                return (_gcs_trace, ())
+
+        trace = Trace()
+        trace.on_request_end.append(on_end)
+        trace.on_request_exception.append(on_exception)
+        _trace = trace
+    return _trace
 
 
 # ---- parted objects: appends on gs:// whose cost does not grow with the file ------------------

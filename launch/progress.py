@@ -72,6 +72,7 @@ def read_progress(run_uri: str) -> dict[str, Any]:
     running."""
     from jobspec.evals import eval_summary
     from jobspec.goodput import account
+    from jobspec.run_status import effective_manifest
     from jobspec.storage import join, url_to_fs
 
     try:
@@ -93,6 +94,8 @@ def read_progress(run_uri: str) -> dict[str, Any]:
         evals = eval_summary(_all_rows(fs, join(root, "metrics/eval.jsonl")))
     except (JaxjobError, OSError, ValueError) as e:
         return {"error": f"cannot read {run_uri}: {e}"}
+    # A failure recorded after a `running` manifest that a full disk kept from being replaced.
+    manifest = effective_manifest(manifest, events)
     row = rows[-1] if rows else None
     running = manifest.get("status") == "running"
     return {

@@ -126,7 +126,6 @@ class GcsEmulator:
     conditional_writes: bool  # what Orbax's OCDBT saves need to commit reliably
 
 
-
 @pytest.fixture(autouse=True)
 def _signal_dispositions_restored() -> Iterator[None]:
     """A test that runs host code in this process (a prepare host parks with SIGINT and SIGTERM
@@ -137,6 +136,7 @@ def _signal_dispositions_restored() -> Iterator[None]:
     for sig, handler in saved.items():
         if signal.getsignal(sig) is not handler and handler is not None:
             signal.signal(sig, handler)
+
 
 @pytest.fixture(scope="session")
 def gcs_emulator() -> Iterator[GcsEmulator]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import posixpath
 import shutil
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jobspec.errors import CheckpointError
+from jobspec.run_store import ArtifactStore
 from runtime.run.checkpoint import (
     INDEX,
     CheckpointService,
@@ -22,7 +24,6 @@ from runtime.run.checkpoint import (
     short_cause,
 )
 from runtime.run.meta import CheckpointMeta
-from runtime.run.store import ArtifactStore
 
 FINGERPRINT = {"model.hidden_size": 8, "data.manifest": "abc"}
 
@@ -120,8 +121,24 @@ def test_async_step_enters_the_index_only_once_committed(
     assert svc.read_index()["latest"] == 1 and load_index(store)["latest"] == 1
     monkeypatch.undo()
     svc._mgr.wait_until_finished()
-    assert svc.poll() == 2
+    # Committed: the writer's checksums are computed off the training thread, and the step is
+    # indexed by the first poll after they are written.
+    from runtime.run import checksums
+
+    release = threading.Event()
+    real_record = checksums.record
+
+    def slow_record(*args):
+        release.wait(600)
+        return real_record(*args)
+
+    monkeypatch.setattr(checksums, "record", slow_record)
+    assert svc.poll() is None  # checksums under way: the poll returns at once
+    assert load_index(store)["latest"] == 1
+    release.set()
+    assert svc.poll(block=True) == 2
     assert load_index(store)["latest"] == 2
+    assert store.exists(f"checkpoints/2/{checksums.FILE}")
     svc.close()
 
 
@@ -288,9 +305,13 @@ def test_the_service_owns_the_save_cadence(tmp_path) -> None:
     svc.close()
 
 
-def _corrupt(store: ArtifactStore, step: int, kind: str) -> None:
-    """Damage one committed step as a torn copy or a failing disk leaves it (local or gs://)."""
+def _corrupt(store: ArtifactStore, step: int, kind: str, *, checksums: bool = False) -> None:
+    """Damage one committed step as a torn copy or a failing disk leaves it (local or gs://).
+    Unless `checksums`, the step's record goes too (as saved before checksums were recorded):
+    then reading it is what finds the damage."""
     base = store._path(f"checkpoints/{step}")
+    if not checksums:
+        store.fs.rm_file(f"{base}/checksums.json")
     files = [str(f) for f in store.fs.find(base)]
     if kind == "truncated params":
         for f in files:
@@ -340,6 +361,38 @@ def test_corrupt_steps_are_one_sentence_and_verify_finds_each(ckpt_uri: str) -> 
     with pytest.raises(UnreadableCheckpointError, match=r"--checkpoint 3 \(available"):
         svc.restore(4, params_target=abstract(params), fallback="select")
     svc.restore(1, **targets)  # the good one still reads
+    svc.close()
+
+
+def test_checksums_find_changed_bytes_and_resume_falls_back(ckpt_uri: str, capsys) -> None:
+    store = ArtifactStore(ckpt_uri)
+    svc = CheckpointService(store, keep=3, async_save=False)
+    for step in (1, 2):
+        save(svc, step)
+    svc.close()
+    record = store.read_json("checkpoints/2/checksums.json")
+    assert any(name.startswith("params/") for name in record["files"])
+    _corrupt(store, 2, "zeroed opt_state", checksums=True)  # same sizes, other bytes
+
+    svc = CheckpointService(ArtifactStore(ckpt_uri), keep=3)
+    found = svc.verify(2)
+    assert (found["ok"], found["state"]) == (False, "damaged")
+    assert found["cause"].startswith("opt_state/") and "bytes changed" in found["cause"]
+    assert svc.verify(1)["state"] == "ok" and svc.verify(1)["verified"]
+    params, opt_state = make_state()
+    svc.restore(2, params_target=abstract(params))  # its parameters are intact: read
+    with pytest.raises(UnreadableCheckpointError, match=r"cannot be read \(opt_state/"):
+        svc.restore(2, params_target=abstract(params), opt_state_target=abstract(opt_state))
+
+    capsys.readouterr()
+    assert svc.resume_step() == 1 and svc.steps() == [1] and disk_steps(store) == [1]
+    warned = capsys.readouterr().err.strip().splitlines()
+    assert len(warned) == 1 and warned[0].startswith(
+        f"warning: checkpoint 2 under {svc.directory} is damaged (opt_state/"
+    ), warned
+    assert "resuming from checkpoint 1, the newest intact one, and discarding 2" in warned[0]
+    event = store.read_jsonl("events.jsonl")[-1]
+    assert (event["event"], event["step"], event["resume_from"]) == ("checkpoint_damaged", 2, 1)
     svc.close()
 
 

@@ -137,7 +137,7 @@ def test_one_writer_writes_what_one_process_writes(layouts):
 
 
 def test_non_writer_cannot_write_host_global_files(tmp_path):
-    from runtime.run.store import ArtifactStore, NotWriterError
+    from jobspec.run_store import ArtifactStore, NotWriterError
 
     store = ArtifactStore(str(tmp_path / "run"), process_index=1, writer_index=0)
     with pytest.raises(NotWriterError):

@@ -231,8 +231,8 @@ def test_a_failing_sink_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch
     """W&B online with no key, and TensorBoard on a disk that fails mid-run: one warning each,
     no exception into the training loop, and the other sink keeps logging."""
     from jobspec.run_config import MetricsConfig
+    from jobspec.run_store import ArtifactStore
     from runtime.observe.sinks import MetricSinks, sink_check
-    from runtime.run.store import ArtifactStore
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no key anywhere
@@ -263,8 +263,8 @@ def test_a_failing_sink_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch
 
 def test_sinks_live_on_the_writer_only(tmp_path):
     from jobspec.run_config import MetricsConfig
+    from jobspec.run_store import ArtifactStore
     from runtime.observe.sinks import MetricSinks, scalars
-    from runtime.run.store import ArtifactStore
 
     store = ArtifactStore(str(tmp_path / "run"), process_index=1, writer_index=0)
     sinks = MetricSinks.open(MetricsConfig(tensorboard=True), store, run_id="r", start_step=0,
@@ -294,9 +294,9 @@ def test_tensorboard_sink_on_gs_and_a_resumed_attempt_purges(run_uri, tmp_path):
     resuming from step 3 after the first logged to step 5; TensorBoard's reader then shows the
     second attempt's rows from step 4 on, as train.jsonl has them."""
     from jobspec.run_config import MetricsConfig
+    from jobspec.run_store import ArtifactStore
     from jobspec.storage import url_to_fs
     from runtime.observe.sinks import MetricSinks
-    from runtime.run.store import ArtifactStore
 
     store = ArtifactStore(run_uri)
     cfg = MetricsConfig(tensorboard=True)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jobspec.errors import StorageError
-from runtime.run.store import ArtifactStore, NotWriterError
+from jobspec.run_store import ArtifactStore, NotWriterError
 
 
 def files_under(root: str) -> list[str]:
@@ -239,7 +239,8 @@ def test_with_retries_retries_transient_faults_only(monkeypatch) -> None:
     import jobspec.storage as storage
     from jobspec.errors import StorageFaultError
 
-    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    monkeypatch.setattr(storage, "_pause", lambda s: None)
+    monkeypatch.setattr(storage, "_state", storage._State())  # the give-up below stays here
     calls = []
 
     def flaky() -> str:
@@ -275,6 +276,8 @@ def test_with_retries_retries_transient_faults_only(monkeypatch) -> None:
     assert len(calls) == 3
     clock = iter(range(0, 1000, 7))  # every try seems to take 7 s: the budget runs out
     monkeypatch.setattr(storage.time, "monotonic", lambda: next(clock))
+    # Tries in the calling thread: their deadlines would read the fake clock too.
+    monkeypatch.setattr(storage, "_attempt", lambda fn, limit, since=None: fn())
 
     def down() -> None:
         raise HttpError({"code": 503, "message": "down"})

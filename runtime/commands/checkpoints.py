@@ -7,20 +7,24 @@ import sys
 from typing import Any
 
 from jobspec.errors import CheckpointError
+from jobspec.run_store import ArtifactStore
 from runtime.run.checkpoint import CKPT_DIR, CheckpointService
 from runtime.run.inspect import open_run
-from runtime.run.store import ArtifactStore
 
 MIB = 1024 * 1024
 
 
-def _service(run: str, *, read_only: bool = True, store: ArtifactStore | None = None):
+def _service(
+    run: str, *, read_only: bool = True, store: ArtifactStore | None = None, warn_gone: bool = True
+):
     store = store or open_run(run)
     if not store.isdir(CKPT_DIR):
         raise CheckpointError(f"{store.uri(CKPT_DIR)} does not exist: the run has no checkpoints")
     # No retention of ours: a writable service applies `keep` when it closes, and rollback
     # must delete only what it says it deletes.
-    return CheckpointService(store, keep=sys.maxsize, async_save=False, read_only=read_only)
+    return CheckpointService(
+        store, keep=sys.maxsize, async_save=False, read_only=read_only, warn_gone=warn_gone
+    )
 
 
 def list_checkpoints(run: str) -> dict[str, Any]:
@@ -35,10 +39,11 @@ def list_checkpoints(run: str) -> dict[str, Any]:
 
 
 def verify_checkpoints(run: str) -> dict[str, Any]:
-    """Read every indexed step in full; {"run", "ok", "steps": [{step, ok, bytes, cause}]}."""
-    ckpt = _service(run)
+    """Check every indexed step against its checksums and read it in full, and name the listed
+    steps that are gone; {"run", "ok", "steps": [{step, ok, state, verified, bytes, cause}]}."""
+    ckpt = _service(run, warn_gone=False)  # said as `step N: missing` lines instead
     try:
-        steps = [ckpt.verify(s) for s in ckpt.steps()]
+        steps = [ckpt.verify(s) for s in sorted([*ckpt.steps(), *ckpt.gone()])]
     finally:
         ckpt.close()
     return {"run": ckpt.store.uri(""), "ok": all(s["ok"] for s in steps), "steps": steps}
@@ -77,15 +82,17 @@ def rollback(run: str, step: int) -> dict[str, Any]:
 
 
 def describe(report: dict[str, Any]) -> list[str]:
-    """verify's lines: `step N: ok (X MiB)` or `step N: unreadable: cause`."""
+    """verify's lines: `step N: ok (X MiB)` (`, unverified: ...` for a step saved before
+    checksums), or `step N: missing|damaged|unreadable: cause`."""
     lines = []
     for s in report["steps"]:
         size = f"{s['bytes'] / MIB:.1f} MiB" if s["bytes"] is not None else "size unknown"
-        lines.append(
-            f"step {s['step']}: ok ({size})"
-            if s["ok"]
-            else f"step {s['step']}: unreadable: {s['cause']}"
-        )
+        if not s["ok"]:
+            lines.append(f"step {s['step']}: {s.get('state', 'unreadable')}: {s['cause']}")
+        elif s.get("verified", True):
+            lines.append(f"step {s['step']}: ok ({size})")
+        else:
+            lines.append(f"step {s['step']}: ok ({size}, unverified: saved without checksums)")
     if not report["steps"]:
         lines.append(f"{report['run']}: no committed checkpoint")
     return lines

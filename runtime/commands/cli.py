@@ -500,10 +500,10 @@ def data_merge(out: str, plan: str | None, as_json: bool) -> None:
 
 @data_group.command("check")
 @click.argument("manifest")
-@click.option("--deep", is_flag=True, help="Also verify every shard's hash.")
+@click.option("--deep", is_flag=True, help="Also verify every file's sha256 and token ids.")
 @click.option("--json", "as_json", is_flag=True)
 def data_check(manifest: str, deep: bool, as_json: bool) -> None:
-    """Validate a manifest and its shards."""
+    """Validate a manifest, its files' sizes and sampled checksums, and its document offsets."""
     from runtime.data.manifest import check_manifest
 
     summary = check_manifest(manifest, deep=deep)
@@ -629,8 +629,9 @@ def checkpoints_list_cmd(run: str, as_json: bool) -> None:
 @click.argument("run")
 @click.option("--json", "as_json", is_flag=True)
 def checkpoints_verify_cmd(run: str, as_json: bool) -> None:
-    """Read every indexed checkpoint of RUN in full (params, optimizer state, meta), with no
-    config needed. Exits 0 all readable, 1 some unreadable, 2 bad input."""
+    """Compare every indexed checkpoint of RUN with the checksums recorded when it was saved,
+    and read it in full (params, optimizer state, meta), with no config needed. Exits 0 all
+    intact and readable, 1 some missing, damaged or unreadable, 2 bad input."""
     from runtime.commands.checkpoints import describe, verify_checkpoints
 
     report = verify_checkpoints(run)
@@ -781,10 +782,10 @@ def import_hf_cmd(path: str, out: str, config: str | None, as_json: bool) -> Non
 
 
 def _quiet_library_logs() -> None:
-    # Orbax logs routine notices (read-only managers, cleanup) as absl WARNINGs; keep errors.
-    import logging
+    # Orbax's notices, and its error lines for what it raises to us too (one sentence).
+    from runtime.host import library_logs
 
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    library_logs.quiet()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -795,15 +796,19 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_group(cli, "runtime", argv)
     except SystemExit as e:
+        from jobspec.exit_codes import EXIT_STORAGE_FAULT
         from runtime.host import startup
 
-        if startup.stopped():
-            # Every `finally` has run; skip only the interpreter's shutdown (see stopped()).
+        code = e.code if isinstance(e.code, int) else 1
+        # Every `finally` has run (a failure recorded, the claim released); skip only the
+        # interpreter's shutdown (see stopped()). After a storage fault that shutdown would join
+        # Orbax's threads, which tensorstore keeps retrying a dead upload in for many minutes.
+        if startup.stopped() or code == EXIT_STORAGE_FAULT:
             from runtime.host import hostlog
 
             sys.stdout.flush()
             sys.stderr.flush()
-            hostlog.hard_exit(e.code if isinstance(e.code, int) else 1)
+            hostlog.hard_exit(code)
         raise
 
 

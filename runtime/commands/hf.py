@@ -13,6 +13,7 @@ from jobspec.errors import ConfigError, JaxjobError
 from jobspec.hf_config import hf_dir
 from jobspec.load import parse_run_config, read_toml, resolved_dict, to_toml
 from jobspec.run_config import RunConfig
+from jobspec.run_store import ArtifactStore
 from runtime.commands.offline import restore_checkpoint
 from runtime.data.loader import train_batches
 from runtime.data.manifest import Manifest
@@ -25,7 +26,6 @@ from runtime.run.artifacts import now, package_versions
 from runtime.run.checkpoint import CheckpointService, load_index
 from runtime.run.compat import run_fingerprint
 from runtime.run.meta import CheckpointMeta, run_manifest
-from runtime.run.store import ArtifactStore
 from runtime.train.optim import build_optimizer
 from runtime.train.state import new_state, state_shardings
 

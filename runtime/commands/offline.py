@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.load import parse_run_config
 from jobspec.run_config import EvalConfig, RunConfig
+from jobspec.run_store import ArtifactStore
 from runtime.data.manifest import load_manifest
 from runtime.data.mixture import open_data
 from runtime.data.tokenizer import load_tokenizer
@@ -23,7 +24,6 @@ from runtime.model.sharding import offline_mesh, replicated
 from runtime.run.artifacts import now
 from runtime.run.checkpoint import CheckpointService
 from runtime.run.inspect import open_run
-from runtime.run.store import ArtifactStore
 from runtime.train.evaluate import Evaluator
 from runtime.train.state import model_state_from_meta
 

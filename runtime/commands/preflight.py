@@ -8,6 +8,7 @@ import jax
 
 from jobspec.errors import JaxjobError
 from jobspec.run_config import RunConfig
+from jobspec.run_store import ArtifactStore
 from jobspec.storage import join, url_to_fs
 from runtime.data.loader import check_for_run
 from runtime.data.manifest import load_manifest
@@ -15,7 +16,6 @@ from runtime.data.mixture import open_data
 from runtime.model.flops import parameter_counts
 from runtime.model.registry import spec_for
 from runtime.model.sharding import build_mesh
-from runtime.run.store import ArtifactStore
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 

@@ -139,7 +139,7 @@ class PrepareHost:
     """One host of a prepare job, from its share to the job's end."""
 
     def __init__(self, cfg: PrepareJobConfig, source: str, info: boot.BootInfo, claim: Any):
-        from runtime.run.store import ArtifactStore
+        from jobspec.run_store import ArtifactStore
 
         self.cfg, self.source, self.info, self.claim = cfg, source, info, claim
         self.index, self.count = info.process_index, info.process_count

@@ -4,13 +4,16 @@ Public API:
     Manifest, TokenizerInfo, SplitInfo, Splits, ShardInfo, FieldInfo, SourceInfo
                                                       pydantic models of manifest.json (extra="forbid")
     FIELD_DTYPES, PG_FIELDS                           the per-token fields of a rollouts split
-    load_manifest(uri: str) -> Manifest               parse + structural checks (files exist, sizes)
-    check_manifest(uri: str, deep: bool) -> dict      load_manifest, and with deep=True re-hash every
-                                                      file and re-scan token ids; returns a summary
+    load_manifest(uri: str) -> Manifest               parse + structural checks (files exist, sizes,
+                                                      sampled checksums: samples.py)
+    check_manifest(uri: str, deep: bool) -> dict      load_manifest and the offsets read whole; with
+                                                      deep=True re-hash every file and re-scan token
+                                                      ids; returns a summary
     write_manifest(manifest: Manifest, uri: str)      one atomic write (tmp + rename, or one put)
     compute_fingerprint(manifest) -> str              hash over tokenizer id, dtype and file hashes
     token_dtype_for(vocab_size) -> str                "uint16" if every id fits, else "uint32"
-    read_offsets(manifest, split) -> np.ndarray       the split's int64 document offsets
+    read_offsets(manifest, split) -> np.ndarray       the split's int64 document offsets, checked
+                                                      against the manifest (sha256, 0 .. tokens)
 
 Directory layout (all paths in the manifest are relative to its folder):
     manifest.json                 written last, so a half-prepared folder has none
@@ -19,6 +22,11 @@ Directory layout (all paths in the manifest are relative to its folder):
                                   every document in the split's concatenated stream, then its total
     validation-00000.bin …, validation-offsets.bin   the same for the validation split
 Shards are cut by token count, not at document ends: a document may span two shards.
+Every file has its sha256 (checked by `data check --deep`) and a checksum of sampled blocks
+(`sample_sha256`, `offsets_sample_sha256`; checked at every load). Manifests made before the
+sampled checksums lack them and load as before: their files are checked by size only (and the
+offsets whole where they are read); they are not part of the fingerprint, so such a manifest
+and its re-prepared twin are the same dataset.
 
 Layouts. "stream" (text): documents are concatenated and rows are cut from the stream.
 "rollouts" (RL / SFT data, see rollouts.py): every document is one rollout (prompt then
@@ -43,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from jobspec.errors import DataError
 from jobspec.storage import is_remote, join, url_to_fs
+from runtime.data.samples import read_digests
 
 FORMAT = "jaxjob.tokens"
 VERSION = 1
@@ -68,6 +77,9 @@ class ShardInfo(_Model):
     path: str = Field(description="File name relative to the manifest's folder.")
     tokens: int = Field(gt=0)
     sha256: str
+    sample_sha256: str | None = Field(
+        None, description="Checksum of sampled blocks (samples.py); absent in older manifests."
+    )
 
 
 # The per-token fields a rollouts split may carry (the one list; the Literal spells the same names).
@@ -92,6 +104,9 @@ class SplitInfo(_Model):
     shards: list[ShardInfo]
     offsets: str = Field(description="int64 document start offsets (documents+1 entries).")
     offsets_sha256: str
+    offsets_sample_sha256: str | None = Field(
+        None, description="Checksum of sampled blocks of the offsets file (samples.py)."
+    )
     fields: dict[FieldName, FieldInfo] = Field(
         default_factory=dict, description="Per-token streams aligned with the tokens (rollouts)."
     )
@@ -297,26 +312,37 @@ def _check_relative(uri: str, where: str, rel: str) -> None:
         )
 
 
-def _check_files(m: Manifest, uri: str) -> None:
+def _files(m: Manifest) -> dict[str, tuple[str, int, str | None]]:
+    """Every file the manifest lists: uri -> (what it is, its size in bytes, sampled checksum)."""
     itemsize = np.dtype(m.token_dtype).itemsize
-    expected: dict[str, tuple[str, int]] = {}
+    files: dict[str, tuple[str, int, str | None]] = {}
     for name in ("train", "validation"):
         s = m.split(name)
         for sh in s.shards:
-            expected[m.uri_of(sh.path)] = (f"shard {sh.path}", sh.tokens * itemsize)
-        expected[m.uri_of(s.offsets)] = (
+            files[m.uri_of(sh.path)] = (f"shard {sh.path}", sh.tokens * itemsize, sh.sample_sha256)
+        files[m.uri_of(s.offsets)] = (
             f"document offsets file {s.offsets}",
             (s.documents + 1) * OFFSET_DTYPE.itemsize,
+            s.offsets_sample_sha256,
         )
         for field, info in s.fields.items():
             size = np.dtype(info.dtype).itemsize
             for sh in info.shards:
-                expected[m.uri_of(sh.path)] = (f"{field} shard {sh.path}", sh.tokens * size)
+                files[m.uri_of(sh.path)] = (
+                    f"{field} shard {sh.path}",
+                    sh.tokens * size,
+                    sh.sample_sha256,
+                )
+    return files
+
+
+def _check_files(m: Manifest, uri: str) -> None:
+    expected = _files(m)
     fs, _ = url_to_fs(m.root)
     paths = {url_to_fs(u)[1]: u for u in expected}
     sizes = _sizes(fs, list(paths))
     for p, u in paths.items():
-        what, want = expected[u]
+        what, want, _ = expected[u]
         got = sizes[p]
         if got is None:
             raise DataError(
@@ -327,6 +353,16 @@ def _check_files(m: Manifest, uri: str) -> None:
             raise DataError(
                 f"data manifest {uri}: {what} is {got} bytes but the manifest records {want}; the "
                 "file is truncated or from another prepare, re-run `runtime data prepare`"
+            )
+    # Same sizes: compare sampled blocks, so a file overwritten in place is refused here.
+    sampled = {p: expected[u][1] for p, u in paths.items() if expected[u][2] is not None}
+    for p, digest in read_digests(fs, sampled).items():
+        what, _, want_digest = expected[paths[p]]
+        if digest != want_digest:
+            raise DataError(
+                f"data manifest {uri}: {what} does not hold what the prepare wrote (its sampled "
+                "blocks differ); the file was overwritten or damaged, re-run `runtime data "
+                "prepare` or restore the file"
             )
 
 
@@ -371,17 +407,34 @@ def _check_fields_deep(m: Manifest, uri: str, name: str) -> int:
 
 
 def read_offsets(m: Manifest, split: str) -> np.ndarray:
-    """The split's int64 document offsets (documents+1 entries, first 0, last = tokens)."""
+    """The split's int64 document offsets (documents+1 entries, first 0, last = tokens); a file
+    that does not match the manifest is a DataError naming it."""
     s = m.split(split)
-    fs, path = url_to_fs(m.uri_of(s.offsets))
-    with fs.open(path, "rb") as f:
-        return np.frombuffer(f.read(), dtype=OFFSET_DTYPE).astype(np.int64)
+    uri = m.uri_of(s.offsets)
+    fs, path = url_to_fs(uri)
+    with fs.open(path, "rb") as f:  # small: hashed and parsed from one read
+        raw = f.read()
+    off = np.frombuffer(raw, dtype=OFFSET_DTYPE).astype(np.int64)
+    if hashlib.sha256(raw).hexdigest() != s.offsets_sha256:
+        why = "its recorded sha256"
+    elif len(off) != s.documents + 1 or off[0] != 0 or off[-1] != s.tokens:
+        why = f"the manifest's {s.documents} documents of {s.tokens} tokens"
+    elif np.any(np.diff(off) <= 0):
+        why = "increasing document starts"
+    else:
+        return off
+    raise DataError(
+        f"document offsets file {uri} does not match {why}; the file changed or is damaged, "
+        "re-run `runtime data prepare` or restore it"
+    )
 
 
 def check_manifest(uri: str, deep: bool = False) -> dict[str, Any]:
     """Summary of a manifest for `runtime data check`; deep=True also re-hashes every file."""
     m = load_manifest(uri)
     dtype = np.dtype(m.token_dtype).newbyteorder("<")
+    for name in ("train", "validation"):  # small, and what a bad file breaks is far from here
+        read_offsets(m, name)
     checked = 0
     if deep:
         for name in ("train", "validation"):
@@ -403,26 +456,13 @@ def check_manifest(uri: str, deep: bool = False) -> dict[str, Any]:
                     f"data manifest {uri}: split {name} has token ids up to {mx} but the manifest "
                     f"records {s.max_token_id}; re-run `runtime data prepare`"
                 )
-            fs, path = url_to_fs(m.uri_of(s.offsets))
-            with fs.open(path, "rb") as f:  # small: hashed and parsed from one read
-                raw = f.read()
-            if hashlib.sha256(raw).hexdigest() != s.offsets_sha256:
-                raise DataError(
-                    f"data manifest {uri}: document offsets file {s.offsets} does not match its "
-                    "recorded sha256; re-run `runtime data prepare`"
-                )
-            off = np.frombuffer(raw, dtype=OFFSET_DTYPE).astype(np.int64)
-            if off[0] != 0 or off[-1] != s.tokens or np.any(np.diff(off) <= 0):
-                raise DataError(
-                    f"data manifest {uri}: document offsets in {s.offsets} are not increasing from 0 "
-                    f"to {s.tokens}; re-run `runtime data prepare`"
-                )
             checked += 1 + _check_fields_deep(m, uri, name)
     return {
         "manifest": uri,
         "ok": True,
         "deep": deep,
         "files_hashed": checked,
+        "files_sampled": sum(digest is not None for _, _, digest in _files(m).values()),
         "fingerprint": m.fingerprint,
         "tokenizer": m.tokenizer.model_dump(),
         "token_dtype": m.token_dtype,

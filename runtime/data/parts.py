@@ -51,6 +51,7 @@ from runtime.data.manifest import (
 )
 from runtime.data.readers import read_documents
 from runtime.data.rollouts import Rollout, read_rollouts, rollout_fields
+from runtime.data.samples import Sampler, sample_digest
 from runtime.data.tokenizer import Tokenizer, load_tokenizer
 
 PART_BYTES = 128 << 20  # input bytes per part: the unit of parallel work and of a host's share
@@ -259,7 +260,12 @@ class _SplitWriter:
         data = values.tobytes()
         write_bytes(join(self.out, rel), data)
         self.shards[kind].append(
-            ShardInfo(path=rel, tokens=len(values), sha256=hashlib.sha256(data).hexdigest())
+            ShardInfo(
+                path=rel,
+                tokens=len(values),
+                sha256=hashlib.sha256(data).hexdigest(),
+                sample_sha256=sample_digest(data),
+            )
         )
 
     def finish(self) -> SplitInfo:
@@ -276,6 +282,7 @@ class _SplitWriter:
             shards=self.shards[TOKENS],
             offsets=rel,
             offsets_sha256=hashlib.sha256(data).hexdigest(),
+            offsets_sample_sha256=sample_digest(data),
             fields={
                 f: FieldInfo(dtype=d, shards=self.shards[f])  # type: ignore[arg-type]
                 for f, d in self.fields.items()
@@ -457,17 +464,20 @@ def merge_parts(plan: Plan, results: list[PartResult], out: str, folder: str) ->
         parts = [getattr(r.splits, name) for r in results]
         rel = f"{folder}/{name}-offsets.bin"
         digest = hashlib.sha256()
+        sampler = Sampler((1 + sum(s.documents for s in parts)) * OFFSET_DTYPE.itemsize)
         base = 0
         fs, path = url_to_fs(join(out, rel))
         with fs.open(path, "wb") as f:
             head = np.zeros(1, OFFSET_DTYPE).tobytes()
             f.write(head)
             digest.update(head)
+            sampler.update(head)
             for s in parts:
                 offsets = _read_offsets(join(out, s.offsets), s.documents)
                 chunk = (offsets[1:] + base).astype(OFFSET_DTYPE).tobytes()
                 f.write(chunk)
                 digest.update(chunk)
+                sampler.update(chunk)
                 base += s.tokens
         field_names = parts[0].fields.keys() if parts else {}
         merged[name] = SplitInfo(
@@ -477,6 +487,7 @@ def merge_parts(plan: Plan, results: list[PartResult], out: str, folder: str) ->
             shards=[sh for s in parts for sh in s.shards],
             offsets=rel,
             offsets_sha256=digest.hexdigest(),
+            offsets_sample_sha256=sampler.hexdigest(),
             fields={
                 k: FieldInfo(
                     dtype=parts[0].fields[k].dtype,

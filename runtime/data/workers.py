@@ -11,13 +11,21 @@ parts, one core each (TOKENIZERS_PARALLELISM=false: the parallelism is the parts
 output does not depend on which worker wrote it, so the dataset is the same for any count.
 Memory is bounded per worker (one shard's buffer and one part's offsets), whatever the input.
 A failing part stops the others at once; its error is raised here as it was raised there.
+A worker never outlives this process: killed outright (SIGKILL, the OOM killer), it can clean
+up nothing, so each worker asks Linux to kill it when its parent dies (PR_SET_PDEATHSIG) and,
+where that is not available, watches its parent's pid; the multiprocessing resource tracker,
+whose pipe only they still hold, then ends too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
+import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
@@ -25,6 +33,8 @@ from typing import Any
 from runtime.data.parts import PartResult, Plan, Progress, write_part
 
 REPORT_EVERY_S = 0.25  # how often a worker sends its counts to the parent's bar
+PARENT_POLL_S = 1.0  # how often a worker without PR_SET_PDEATHSIG checks its parent is alive
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def default_workers() -> int:
@@ -82,12 +92,39 @@ class _QueueProgress:
 _QUEUE: Any = None
 
 
-def _start_worker(queue: Any) -> None:
+def _start_worker(queue: Any, parent: int) -> None:
     global _QUEUE
     _QUEUE = queue
     # One core per worker: the workers are the parallelism (and Rayon in a spawned child is
     # the tokenizers library's own warning otherwise).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    exit_with_parent(parent)
+
+
+def exit_with_parent(parent: int) -> None:
+    """End this process as soon as process `parent` (its parent) has ended."""
+    if not _death_signal():
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # it died before we asked: the signal will never come
+        os._exit(1)
+
+
+def _death_signal() -> bool:
+    """Linux: SIGKILL this process when its parent dies; False where that cannot be asked."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent: int) -> None:
+    """The portable fallback: an orphan is re-parented, so its parent pid changes."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
 
 
 def _work(plan: Plan, index: int, out: str, folder: str) -> PartResult:
@@ -114,7 +151,7 @@ def _in_workers(
     queue = ctx.Queue()
     before = set(mp.active_children())
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
-                               initargs=(queue,))  # fmt: skip
+                               initargs=(queue, os.getpid()))  # fmt: skip
     results: dict[int, PartResult] = {}
     try:
         futures: dict[Future, int] = {pool.submit(_work, plan, i, out, folder): i for i in indices}

@@ -52,6 +52,17 @@ from runtime.host import hostlog
 # JAX's own init deadline is ours plus this, so our sentence always comes before its abort.
 _JAX_TIMEOUT_MARGIN_S = 10
 
+
+def _jax_heartbeat_timeout_s(heartbeat_timeout_s: int) -> int:
+    """JAX's heartbeat timeout for ours. JAX (0.10) heartbeats every half of its timeout and
+    gives a host up once its last heartbeat is a timeout old (a client: once a heartbeat to a
+    stopped service went unanswered for half of it), so a host that stops just before a
+    heartbeat is given up after about half. Twice ours keeps JAX's abort at least
+    `heartbeat_timeout_s` away. Seen with 90 s: a healthy peer aborted 50-57 s after the other
+    host was SIGSTOPped, before a 60 s watchdog could name it."""
+    return 2 * heartbeat_timeout_s
+
+
 _DISTRIBUTED_VARS = ("JAXJOB_COORDINATOR", "JAXJOB_NUM_PROCESSES", "JAXJOB_PROCESS_ID")
 
 
@@ -350,8 +361,10 @@ def boot(
     """Join the cluster this process belongs to (if any) and say who we are.
 
     Call before anything touches a JAX backend. Calling it again returns the first BootInfo.
-    `heartbeat_timeout_s` is JAX's: after it, the coordination service aborts every process
-    when one stops heartbeating, so keep it above the HostWatchdog's timeout.
+    `heartbeat_timeout_s`: how long a host may stop heartbeating before JAX aborts the others
+    (SIGABRT); keep it above the HostWatchdog's timeout so the watchdog's sentence and exit 43
+    come first. JAX gets twice as much (_jax_heartbeat_timeout_s): it can give up after half of
+    its own timeout.
     """
     if _state.info is not None:
         return _state.info
@@ -381,7 +394,7 @@ def boot(
                 "coordinator_address": coord,
                 "num_processes": n,
                 "process_id": i,
-                "heartbeat_timeout_seconds": heartbeat_timeout_s,
+                "heartbeat_timeout_seconds": _jax_heartbeat_timeout_s(heartbeat_timeout_s),
                 # Else JAX's SLURM/OMPI detection still fills local_device_ids (one GPU per
                 # process, [SLURM_LOCALID]) although we gave everything else.
                 "cluster_detection_method": "deactivate",
@@ -397,7 +410,10 @@ def boot(
     elif cluster:
         mode = f"auto:{cluster}"
         _initialize(
-            {"cluster_detection_method": cluster, "heartbeat_timeout_seconds": heartbeat_timeout_s},
+            {
+                "cluster_detection_method": cluster,
+                "heartbeat_timeout_seconds": _jax_heartbeat_timeout_s(heartbeat_timeout_s),
+            },
             timeout_s=timeout_s,
             guard_message=(
                 f"the {cluster} cluster did not form within {timeout_s} s; check that every "

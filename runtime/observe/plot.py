@@ -13,10 +13,10 @@ import os
 from typing import Any, Literal
 
 from jobspec.errors import StorageError
+from jobspec.run_store import ArtifactStore
 from jobspec.storage import is_remote, url_to_fs
 from runtime.run.artifacts import EVAL_METRICS, EVENTS, TRAIN_METRICS
 from runtime.run.inspect import open_run
-from runtime.run.store import ArtifactStore
 
 Axis = Literal["step", "tokens"]
 FIGSIZE = (12.0, 8.0)  # inches; at DPI the PNG is 1200 x 800 pixels

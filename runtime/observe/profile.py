@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 
 from jobspec.run_config import ProfileConfig
-from runtime.run.store import ArtifactStore
+from jobspec.run_store import ArtifactStore
 
 
 class ProfileWindow:

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from jobspec.run_config import MetricsConfig, WandbConfig
-from runtime.run.store import ArtifactStore
+from jobspec.run_store import ArtifactStore
 
 # Row fields that are not scalars to plot against the step.
 NOT_SCALARS = {"step", "tokens", "batch_hash", "record_ids", "name", "time", "elapsed"}

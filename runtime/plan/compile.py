@@ -261,9 +261,11 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
 
 def kernel_attention_flops(cfg: RunConfig, analytic: dict[str, float]) -> float:
     """The attention FLOPs a fused kernel does per chip and step: the analytic count (forward +
-    backward, 12LTHD) less the causal blocks it skips (of n x n query/key blocks of 512, it runs
-    n(n+1)/2), plus the forward again when blocks are rematerialised."""
-    n = max(1, cfg.training.seq_len // 512)
+    backward, 12LTHD) less the causal blocks it skips (of n x n query/key blocks of the kernel's
+    block size, it runs n(n+1)/2), plus the forward again when blocks are rematerialised."""
+    from runtime.model.attention import splash_block
+
+    n = max(1, cfg.training.seq_len // splash_block(cfg.training.seq_len))
     causal = (n + 1) / (2 * n)
     recompute = 4 / 3 if cfg.model.remat != "none" else 1.0
     return analytic["attention_per_chip"] * causal * recompute

@@ -6,6 +6,7 @@ Host-global files are written by the writer host only; the others build nothing 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib.metadata
 import math
@@ -22,11 +23,12 @@ from jobspec.errors import DivergedError
 from jobspec.evals import eval_summary
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
+from jobspec.run_store import ArtifactStore
 from runtime.host import boot
 from runtime.model import moe_dispatch
 from runtime.model.flops import flops_per_token, parameter_counts
+from runtime.run import disk_reserve
 from runtime.run.meta import run_manifest
-from runtime.run.store import ArtifactStore
 from runtime.train.metrics import Throughput, live_line
 
 if TYPE_CHECKING:  # the loop hands them in: runtime/observe sits above runtime/run
@@ -165,6 +167,7 @@ class RunArtifacts:
         self.store.write_host_json("runtime.json", {"time": now(), **diagnostics})
         if not self.writer:
             return
+        disk_reserve.keep(self.store)  # room for the record of how this attempt ends
         # Steps an earlier attempt reached past this start are recomputed, not progress: the
         # furthest row it logged (read before the cut below) or step it recorded in an event.
         logged = self._last_logged_step()
@@ -303,6 +306,7 @@ class RunArtifacts:
             **extra,
         }
         if self.writer:
+            disk_reserve.release(self.store)  # the last records fit on a disk that filled up
             evals = self.store.read_jsonl(EVAL_METRICS) if self.store.exists(EVAL_METRICS) else []
             if best := eval_summary(evals)["best"]:  # as inspect and `launch status` say it
                 summary["best_eval"] = best
@@ -322,12 +326,20 @@ class RunArtifacts:
     def fail(self, step: int, err: BaseException, index: dict | None = None) -> None:
         """Record how the attempt ended: a `failure` event, and the manifest's status `failed`
         with the sentence, or `diverged` (DivergedError) with the step, which also writes
-        summaries/final.json so no earlier attempt's summary still says how the run ended."""
+        summaries/final.json so no earlier attempt's summary still says how the run ended.
+
+        Each record is tried on its own (the original error matters more than a failed report
+        of it), on the room the disk reserve leaves: on a full disk the manifest still gets
+        written, and where even it does not fit, the failure event newer than the `running`
+        manifest is what readers go by (jobspec.run_status)."""
         if not self.writer:
             return
-        try:
-            msg = str(err) or type(err).__name__
+        disk_reserve.release(self.store)
+        msg = str(err) or type(err).__name__
+        diverged_at = err.step if isinstance(err, DivergedError) else None
+        with contextlib.suppress(Exception):
             self.record_time(force=True)
+        with contextlib.suppress(Exception):
             self.event(
                 "failure",
                 step=step,
@@ -335,26 +347,28 @@ class RunArtifacts:
                 type=type(err).__name__,
                 exit_code=getattr(err, "exit_code", None),
                 traceback=traceback.format_exception(err)[-3:],
+                **({"diverged_at_step": diverged_at} if diverged_at is not None else {}),
             )
-            update: dict[str, Any] = {"status": "failed", "steps": step, "failure": msg}
-            if isinstance(err, DivergedError):
-                update.update(status="diverged", diverged_at_step=err.step)
-                index = index or {}
+        update: dict[str, Any] = {"status": "failed", "steps": step, "failure": msg}
+        if diverged_at is not None:
+            update.update(status="diverged", diverged_at_step=diverged_at)
+            index = index or {}
+            with contextlib.suppress(Exception):
                 self.store.write_json("summaries/final.json", {
                     "run_id": self.cfg.run.id,
                     "status": "diverged",
                     "steps": step,
                     "tokens": step * self.cfg.training.tokens_per_step,
-                    "diverged_at_step": err.step,
+                    "diverged_at_step": diverged_at,
                     "final_loss": self.last_row["loss"] if self.last_row else None,
                     "failure": msg,
                     "checkpoints": {"latest": index.get("latest"), "best": index.get("best")},
                     "goodput": goodput.account(self.store.read_jsonl(EVENTS)),
                 })  # fmt: skip
+        with contextlib.suppress(Exception):
             self._write_manifest(**update)
+        with contextlib.suppress(Exception):
             self.sinks.close()
-        except Exception:  # the original error matters more than a failed report of it
-            pass
 
 
 def _nonfinite_of(row: dict) -> dict[str, Any]:

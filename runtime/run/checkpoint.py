@@ -5,6 +5,11 @@ only once Orbax has committed it (locally the final `<step>/` directory exists; 
 step holds `commit_success.txt`), so a crash mid-save never becomes `latest`. Every host calls
 save/restore (Orbax needs all of them); only the writer writes the index, through the store.
 
+What changes after the commit is never passed in silence: the writer records each committed
+step's content checksums (checksums.py); a listed step whose directory is gone is said once
+(and dropped from the index), a step whose bytes changed is refused by `restore`, and a resume
+of the latest step falls back past damaged ones to the newest intact step, saying so.
+
 Retention is ours, not Orbax's: Orbax deletes old steps in its background thread even when the
 new step failed to commit, and its choice would have to be mirrored into the index. We delete
 through the manager at points every host reaches together (`save`, `wait`, `discard_after`),
@@ -22,6 +27,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +35,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jobspec.errors import CheckpointError, StorageError, StorageFaultError
+from jobspec.run_store import ArtifactStore
 from jobspec.storage import configure_gcs_env, storage_fault
+from runtime.run import checksums
 from runtime.run.meta import CheckpointMeta
-from runtime.run.store import ArtifactStore
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +48,16 @@ COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker for object stores
 # `entry` repeats the step's index entry inside the checkpoint, so a step that committed just
 # before a crash (index not yet rewritten) can be re-indexed from disk.
 ITEMS = ("params", "opt_state", "meta", "entry")
+RESUME_ITEMS = ("params", "opt_state", "meta")  # what a resume reads
 
 
 @dataclass
 class _Pending:
     step: int
     entry: dict[str, Any]
+    # The writer's checksums of the committed step, computed off the training thread (reading
+    # back a multi-GB state takes seconds); the step is indexed once they are written.
+    summing: Future | None = None
 
 
 def load_index(store: ArtifactStore) -> dict[str, Any]:
@@ -142,9 +153,11 @@ class CheckpointService:
         read_only: bool = False,
         every: int = 0,
         last_step: int | None = None,
+        warn_gone: bool = True,
     ) -> None:
         """`every`/`last_step` are the run's cadence (`checkpoint.every`, the final step):
-        `maybe_save` saves on every `every`-th step before the last, and on a final save."""
+        `maybe_save` saves on every `every`-th step before the last, and on a final save.
+        `warn_gone=False` leaves saying that listed steps are gone to the caller (verify)."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         configure_gcs_env()
@@ -176,11 +189,53 @@ class CheckpointService:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot open checkpoints under {self.directory}: {e}") from e
         self._pending: _Pending | None = None
+        self._async = async_save
+        self._summer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-checksums")
         self._failed_step: int | None = None  # the step whose save failed, if one did
         written = load_index(store)
         self._entries = reconciled_entries(store, written)
+        # Listed steps whose committed directory is gone (deleted, lost with a disk).
+        self._gone = sorted({int(e["step"]) for e in written["checkpoints"]} - self._entries.keys())
+        # Each step's bytes are compared once per set of items read.
+        self._checked: dict[tuple[int, tuple[str, ...] | None], checksums.Finding] = {}
+        if self._gone and warn_gone:
+            self._say_gone()
         if self.read_index() != written:
             self._write_index()
+
+    def _say_gone(self) -> None:
+        """One line (and, on a run this service may write, an event per step) for listed steps
+        whose directory is gone: the index forgets them, never in silence."""
+        if not self.store.is_writer:
+            return
+        d = self.directory
+        what = (
+            f"checkpoint {self._gone[0]} is listed in {self.store.uri(INDEX)} but {d}/"
+            f"{self._gone[0]} is gone"
+            if len(self._gone) == 1
+            else f"checkpoints {', '.join(map(str, self._gone))} are listed in "
+            f"{self.store.uri(INDEX)} but their directories under {d} are gone"
+        )
+        latest = self.latest()
+        left = (
+            "no checkpoint is left"
+            if latest is None
+            else f"the newest intact checkpoint is {latest}"
+        )
+        print(f"warning: {what}; {left}", file=sys.stderr, flush=True)
+        if not self.read_only:
+            self._events([{"event": "checkpoint_missing", "step": s, "directory": f"{d}/{s}"}
+                          for s in self._gone])  # fmt: skip
+
+    def _events(self, rows: list[dict[str, Any]]) -> None:
+        from runtime.run.artifacts import EVENTS, now  # artifacts sits above this module
+
+        if self.store.is_writer and not self.read_only:
+            self.store.append_jsonl(EVENTS, [{"time": now(), **r} for r in rows])
+
+    def gone(self) -> list[int]:
+        """Steps the index listed whose committed directory is gone."""
+        return list(self._gone)
 
     # ---- index -------------------------------------------------------------------------------
 
@@ -319,7 +374,9 @@ class CheckpointService:
         except Exception as e:
             self._raise_save_error(step, e, "cannot save")
         self._pending = _Pending(step, entry)
-        self.poll()  # a synchronous save is committed already
+        # A synchronous save is committed already, and is indexed (checksums and all) before
+        # this returns; an async one is indexed by a later poll.
+        self.poll(block=not self._async)
         return True
 
     def newest(self) -> int | None:
@@ -340,26 +397,47 @@ class CheckpointService:
         if step in self._entries:
             self._write_index()
 
-    def poll(self) -> int | None:
+    def poll(self, *, block: bool = False) -> int | None:
         """Index a save that has finished in the background; returns its step, else None.
 
-        Cheap enough for every train step: nothing is read until Orbax says the save is done.
-        """
-        if self._pending is None or self._mgr.is_saving_in_progress():
+        Cheap enough for every train step: nothing is read until Orbax says the save is done,
+        and the writer's checksums of the committed step are then computed in a background
+        thread; the step is indexed by the first poll after they are done (`block`: wait)."""
+        if self._pending is None:
             return None
         step = self._pending.step
-        if not self._committed(step):
-            # The background save ended without a commit: its own error (ENOSPC, a 503) is
-            # what the user must see, so fetch it before saying "did not commit".
-            self._wait_orbax()
+        if self._pending.summing is None:
+            if self._mgr.is_saving_in_progress():
+                return None
             if not self._committed(step):
-                self._pending, self._failed_step = None, step
-                raise CheckpointError(
-                    f"checkpoint {step} under {self.directory} did not commit (the Orbax log "
-                    "above has the cause); check the storage and restart from the latest checkpoint"
+                # The background save ended without a commit: its own error (ENOSPC, a 503) is
+                # what the user must see, so fetch it before saying "did not commit".
+                self._wait_orbax()
+                if not self._committed(step):
+                    self._pending, self._failed_step = None, step
+                    raise CheckpointError(
+                        f"checkpoint {step} under {self.directory} did not commit (the Orbax "
+                        "log above has the cause); check the storage and restart from the "
+                        "latest checkpoint"
+                    )
+            if self.store.is_writer:
+                self._pending.summing = self._summer.submit(
+                    checksums.record, self.store, f"{CKPT_DIR}/{step}"
                 )
+        summing = self._pending.summing
+        if summing is not None:
+            if not block and not summing.done():
+                return None
+            try:
+                record = summing.result()
+            except BaseException:
+                self._pending, self._failed_step = None, step
+                raise
+            # Before the index: a crash between leaves a step adopted from disk with its record.
+            checksums.write(self.store, f"{CKPT_DIR}/{step}", record)
         pending, self._pending = self._pending, None
         self._entries[pending.step] = pending.entry
+        self._forget_checks(pending.step)
         self._write_index()
         return pending.step
 
@@ -408,7 +486,7 @@ class CheckpointService:
     def _settle(self) -> None:
         # Every host reaches this together, so the deletes' barriers line up.
         self._wait_orbax()
-        self.poll()
+        self.poll(block=True)
         self._retain()
 
     def _retain(self) -> None:
@@ -424,6 +502,7 @@ class CheckpointService:
             return
         for s in steps:
             self._entries.pop(s, None)
+            self._forget_checks(s)
         self._write_index()  # index first: a crash between leaves an orphan, never a dangling entry
         known = set(self._mgr.all_steps())
         for s in steps:
@@ -436,7 +515,7 @@ class CheckpointService:
         """Delete checkpoints newer than `step` (a run resumed from an older step branches off
         there); every host must call it. Returns the deleted steps."""
         self._wait_orbax()
-        self.poll()
+        self.poll(block=True)
         newer = [s for s in self.steps() if s > step]
         self._delete(newer)
         return newer
@@ -457,6 +536,7 @@ class CheckpointService:
                     self._mgr.close()  # released either way; the save's error is the one raised
                 raise
             log.warning("closing checkpoints under %s after a failure: %s", self.directory, e)
+        self._summer.shutdown(wait=False, cancel_futures=True)
         try:
             self._mgr.close()
         except Exception as e:
@@ -483,6 +563,9 @@ class CheckpointService:
         step its sentence suggests.
         """
         self._entry(step)
+        read = RESUME_ITEMS if opt_state_target is not None else ("params", "meta")
+        if (damage := self.damage(step, read)) is not None:
+            raise self.unreadable(step, damage, fallback=fallback)
         _quiet_abandoned_reads()  # before: a failed read's siblings may complete at any time
         items: dict[str, Any] = {
             "params": ocp.args.StandardRestore(params_target),
@@ -501,6 +584,59 @@ class CheckpointService:
             raise self.unreadable(step, e, fallback=fallback) from e
         opt_state = out["opt_state"] if opt_state_target is not None else None
         return out["params"], opt_state, meta
+
+    def damage(self, step: int, items: tuple[str, ...] | None = None) -> str | None:
+        """Why the bytes of `step` (of its `items`, default all) are not the ones saved: its
+        directory is gone, or a file differs from its checksums. None: intact, or saved before
+        checksums (unverified). Every host gets the same answer from the same files."""
+        if step in self._gone:
+            return f"{self.directory}/{step} is gone"
+        if (step, items) not in self._checked:
+            # gs:// objects by the MD5 GCS keeps (nothing downloaded); local files by content.
+            self._checked[step, items] = checksums.check(
+                self.store, f"{CKPT_DIR}/{step}", content=not self.store.remote, items=items
+            )
+        return self._checked[step, items].damage
+
+    def _forget_checks(self, step: int) -> None:
+        for key in [k for k in self._checked if k[0] == step]:
+            del self._checked[key]
+
+    def resume_step(self, from_step: int | None = None) -> int:
+        """The step a resume restores: `from_step` as given (restore refuses it if damaged), else
+        the newest intact one. Newer damaged steps are said (one warning line, an event each)
+        and discarded, so the run saves those steps anew; every host must call it."""
+        if from_step is not None:
+            return self.resolve(from_step)
+        step = self.resolve("latest")
+        damaged: list[tuple[int, str]] = []
+        while (cause := self.damage(step, RESUME_ITEMS)) is not None:
+            damaged.append((step, cause))
+            older = [s for s in self.steps() if s < step]
+            if not older:
+                raise UnreadableCheckpointError(
+                    f"checkpoint {damaged[0][0]} under {self.directory} is damaged "
+                    f"({damaged[0][1]}) and no older checkpoint is intact; start over with a "
+                    f"new run.id, or run `runtime checkpoints verify {self.store.uri('')}`",
+                    step=damaged[0][0],
+                    cause=damaged[0][1],
+                )
+            step = older[-1]
+        if damaged:
+            newest, cause = damaged[0]
+            others = f" (and {', '.join(str(s) for s, _ in damaged[1:])})" if damaged[1:] else ""
+            if self.store.is_writer:
+                print(
+                    f"warning: checkpoint {newest}{others} under {self.directory} is damaged "
+                    f"({cause}); resuming from checkpoint {step}, the newest intact one, and "
+                    f"discarding {', '.join(str(s) for s, _ in reversed(damaged))}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._events([{"event": "checkpoint_damaged", "step": s, "cause": c,
+                           "resume_from": step} for s, c in damaged])  # fmt: skip
+            self.discard_after(step)
+        return step
 
     def unreadable(
         self, step: int, cause: BaseException | str, *, fallback: str = "resume"
@@ -553,8 +689,20 @@ class CheckpointService:
     def verify(self, step: int) -> dict[str, Any]:
         """Read all of `step` (params, opt_state, meta) into host memory, with targets built from
         the checkpoint's own array metadata, so no config or mesh is needed. Returns
-        {"step", "ok", "bytes", "cause"}; never raises for a damaged step."""
+        {"step", "ok", "state" (ok, missing, damaged, unreadable), "verified" (checksums
+        matched), "bytes", "cause"}; never raises for a damaged step. Every byte is compared with
+        the step's checksums first (read on gs:// too); a step saved before checksums is read
+        only (unverified)."""
+        if step in self._gone:
+            return {"step": step, "ok": False, "state": "missing", "verified": False,
+                    "bytes": None, "cause": f"{self.directory}/{step} is gone"}  # fmt: skip
         size = _disk_bytes(self.store, f"{CKPT_DIR}/{step}")
+        found = checksums.check(self.store, f"{CKPT_DIR}/{step}", content=True)
+        self._checked[step, None] = found
+        if found.damage is not None:
+            return {"step": step, "ok": False, "state": "damaged", "verified": True,
+                    "bytes": size, "cause": found.damage}  # fmt: skip
+        verified = {"verified": found.verified}
         _quiet_abandoned_reads()
         try:
             self._entry(step)
@@ -582,11 +730,13 @@ class CheckpointService:
                 raise _ItemError(f"meta: it says step {meta.step}")
         except _ItemError as e:
             self._raise_if_fault(step, e.__cause__ or e, "could not be read")
-            return {"step": step, "ok": False, "bytes": size, "cause": str(e)}
+            return {"step": step, "ok": False, "state": "unreadable", **verified, "bytes": size,
+                    "cause": str(e)}  # fmt: skip
         except Exception as e:  # noqa: BLE001 - any failure to read is the finding
             self._raise_if_fault(step, e, "could not be read")
-            return {"step": step, "ok": False, "bytes": size, "cause": short_cause(e)}
-        return {"step": step, "ok": True, "bytes": size, "cause": None}
+            return {"step": step, "ok": False, "state": "unreadable", **verified, "bytes": size,
+                    "cause": short_cause(e)}  # fmt: skip
+        return {"step": step, "ok": True, "state": "ok", **verified, "bytes": size, "cause": None}
 
 
 def _nonfinite_leaf(tree: Any) -> str | None:

@@ -7,9 +7,10 @@ from typing import Any
 from jobspec.errors import StorageError
 from jobspec.evals import eval_summary, eval_text
 from jobspec.goodput import account, goodput_line
+from jobspec.run_status import effective_manifest
+from jobspec.run_store import ArtifactStore
 from jobspec.storage import configure_gcs_env
 from runtime.run.artifacts import EVAL_METRICS, EVENTS, TRAIN_METRICS
-from runtime.run.store import ArtifactStore
 
 
 def open_run(run: str) -> ArtifactStore:
@@ -22,10 +23,11 @@ def open_run(run: str) -> ArtifactStore:
 
 def inspect_run(run: str) -> dict[str, Any]:
     store = open_run(run)
-    manifest = store.read_json("manifest.json")
     rows = store.read_jsonl(TRAIN_METRICS) if store.exists(TRAIN_METRICS) else []
     evals = store.read_jsonl(EVAL_METRICS) if store.exists(EVAL_METRICS) else []
     events = store.read_jsonl(EVENTS) if store.exists(EVENTS) else []
+    # A failure recorded after a `running` manifest that a full disk kept from being replaced.
+    manifest = effective_manifest(store.read_json("manifest.json"), events)
     from runtime.run.checkpoint import load_index  # checks every entry: one sentence if bad
 
     index = load_index(store)

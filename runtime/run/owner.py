@@ -370,24 +370,36 @@ class RunClaim:
                     pass  # changed between read and write: the next renewal reads who has it
 
     def release(self) -> None:
-        """Stop renewing and remove the record if it is still ours; safe to call twice."""
+        """Stop renewing and remove the record if it is still ours; safe to call twice. Bounded
+        in time: a renewal stuck on a storage that stopped answering (it holds the mutex) or a
+        removal that is not answered is left behind, and the lease lapses by itself."""
         self._stop.set()
+        if _held.get(_key(self.root_uri)) is self:
+            try:
+                with_retries(self._remove, f"release {self.uri}", _RELEASE_RETRY)
+            except Exception as e:  # the lease lapses by itself; never mask the run's own end
+                from jobspec.storage import gave_up
+
+                if gave_up() is None:  # else the run's own sentence says the storage failed
+                    print(
+                        f"warning: could not release {self.uri} ({e})", file=sys.stderr, flush=True
+                    )
+        _held.pop(_key(self.root_uri), None)
+
+    def _remove(self) -> None:
         with self._mutex:
             if self._released:
                 return
-            self._released = True
-            try:
-                with self._slot.locked():
-                    data, gen = self._slot.read()
-                    current = OwnerRecord.from_bytes(data) if data is not None else None
-                    if current is not None and current.token == self.record.token:
-                        self._slot.delete(gen)
-            except Exception as e:  # the lease lapses by itself; never mask the run's own end
-                print(f"warning: could not release {self.uri} ({e})", file=sys.stderr, flush=True)
-        _held.pop(_key(self.root_uri), None)
+            with self._slot.locked():
+                data, gen = self._slot.read()
+                current = OwnerRecord.from_bytes(data) if data is not None else None
+                if current is not None and current.token == self.record.token:
+                    self._slot.delete(gen)
+            self._released = True  # only once removed: a failed try is tried again
 
 
 _held: dict[str, RunClaim] = {}  # by _key(root_uri)
+_RELEASE_RETRY = RetryPolicy(total_s=10.0, call_s=10.0)  # best effort: the lease lapses anyway
 
 
 def _key(root_uri: str) -> str:

@@ -20,12 +20,14 @@ from jobspec.errors import CheckpointError, ConfigError, DivergedError
 from jobspec.exit_codes import EXIT_RESTARTABLE
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
+from jobspec.run_store import ArtifactStore
 from jobspec.storage import RetryPolicy, configure_gcs_env, join
 from runtime.data.eval_rows import check_evals
 from runtime.data.loader import TokenBatches, check_for_run, train_batches
 from runtime.data.mixture import load_data
 from runtime.host import boot, startup
 from runtime.host.coordination import HostWatchdog, StopAgreement
+from runtime.host.stop_guard import StopGuard
 from runtime.model.build import build_model
 from runtime.model.sharding import batch_sharding, build_mesh, replicated
 from runtime.observe import ledger as buckets
@@ -41,7 +43,6 @@ from runtime.run.checkpoint import (
 )
 from runtime.run.compat import check_compatible, run_fingerprint
 from runtime.run.meta import CheckpointMeta
-from runtime.run.store import ArtifactStore
 from runtime.train.evaluate import Evaluator
 from runtime.train.optim import build_optimizer
 from runtime.train.program import train_program
@@ -159,7 +160,8 @@ def _initial_state(
     if not resume:
         state = new_state(parts, provisional, shardings, cfg.run.seed)
         return state, shardings, 0, cfg.optimizer.schedule.decay_steps or total_steps, None, 0
-    start_step = ckpt.resolve("latest" if from_step is None else from_step)
+    # The newest intact step: a damaged newer one is said, recorded and discarded first.
+    start_step = ckpt.resume_step(from_step)
     if say is not None:
         say(f"restoring checkpoint {start_step}")
     # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.
@@ -377,6 +379,8 @@ def _train(
         attempt=info.attempt if info else 0,
     )
     watchdog.start()
+    # A stop on a storage that stopped answering must still end the run (stop_guard.py).
+    guard = StopGuard(store.probe, store.root_uri).install()
     failed = False
     try:
         status = _loop(run, stop, watchdog, max_steps, emit, t_start)
@@ -394,6 +398,7 @@ def _train(
         )
         raise
     finally:
+        guard.end()
         run.profile.abandon()
         stop.restore()
         # After a failure, close() only logs what it cannot finish: the first error is the

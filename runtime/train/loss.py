@@ -164,6 +164,9 @@ def hidden_loss_sums(
     def sums(logits: jax.Array, tc: dict[str, jax.Array]) -> LossSums:
         return _objective_sums(logits, tc, objective, clip_eps, softcap)
 
+    if objective == "cross_entropy" and 0 < chunk_size < h.shape[1] and FUSED_CROSS_ENTROPY:
+        loss_sum, count = _fused_ce_sums(h, kernel, targets, mask, chunk_size, softcap)
+        return loss_sum, count, zero
     return _chunked_sums(h, kernel, tok, chunk_size, sums, (zero, zero, zero))
 
 
@@ -206,6 +209,109 @@ def hidden_group_sums(
     zero, zeros = jnp.zeros((), jnp.float32), jnp.zeros((num_groups,), jnp.float32)
     tok = {"targets": targets, "mask": mask, "groups": groups}
     return _chunked_sums(h, kernel, tok, chunk_size, sums, (zero, zero, zeros, zeros))
+
+
+#: Chunked cross-entropy computes its gradient in the forward pass (`_fused_ce_sums`); off, the
+#: chunks are `jax.checkpoint`ed and autodiff recomputes each chunk's logits in the backward pass
+#: (one more head matmul per chunk). A switch for bench/ A/B runs; the results are the same sums.
+FUSED_CROSS_ENTROPY = True
+
+
+def _split_chunks(x: jax.Array, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+    """[B, T, ...] -> ([n, B, chunk, ...] of the first n * chunk positions, the rest [B, r, ...])."""
+    b, t = x.shape[:2]
+    n = t // chunk_size
+    full = n * chunk_size
+    head = jnp.moveaxis(x[:, :full].reshape(b, n, chunk_size, *x.shape[2:]), 1, 0)
+    return head, x[:, full:]
+
+
+def _ce_chunk_grads(
+    hc: jax.Array, w: jax.Array, tc: jax.Array, mc: jax.Array, softcap: float | None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One chunk's (loss sum, count, d loss_sum / d hc [B, c, D] in hc's dtype, d loss_sum / d w
+    [D, V] float32): the logits are made once and their gradient taken in closed form,
+    softmax(z) - onehot(target) at counted positions (z the soft-capped logits)."""
+    hc = constrain(hc, ("batch", "length", "embed"))
+    logits = head_logits(hc, w)  # float32 [B, c, V]
+    z = logits if softcap is None else apply_softcap(logits, softcap)
+    counted = mc.astype(jnp.float32) > 0
+    lse = jax.nn.logsumexp(z, axis=-1)
+    target_z = jnp.take_along_axis(z, tc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    loss_sum = jnp.sum(jnp.where(counted, lse - target_z, 0.0))
+    onehot = jax.nn.one_hot(tc, z.shape[-1], dtype=jnp.float32)
+    g = jnp.where(counted[..., None], jnp.exp(z - lse[..., None]) - onehot, 0.0)
+    if softcap is not None:  # d softcap * tanh(l / softcap) / dl = 1 - tanh(l / softcap)^2
+        g = g * (1.0 - jnp.square(z / softcap))
+    g = constrain_logits(g).astype(hc.dtype)
+    # A masked row's hidden state must not reach dW even when it is inf or nan (0 * nan = nan).
+    h_counted = jnp.where(counted[..., None], hc, jnp.zeros((), hc.dtype))
+    dh = jnp.einsum("btv,dv->btd", g, w, preferred_element_type=jnp.float32).astype(hc.dtype)
+    dw = jnp.einsum("btd,btv->dv", h_counted, g, preferred_element_type=jnp.float32)
+    return loss_sum, jnp.sum(counted.astype(jnp.float32)), dh, dw
+
+
+def _fused_ce_forward(
+    h: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    mask: jax.Array,
+    chunk_size: int,
+    softcap: float | None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(loss sum, count, dh [B, T, D], dW [D, V] float32) over `chunk_size`-position chunks."""
+    hs, h_rest = _split_chunks(h, chunk_size)
+    ts, t_rest = _split_chunks(targets, chunk_size)
+    ms, m_rest = _split_chunks(mask, chunk_size)
+
+    def body(acc: tuple, xs: tuple) -> tuple[tuple, jax.Array]:
+        loss, count, dw = acc
+        l_c, n_c, dh_c, dw_c = _ce_chunk_grads(*xs[:1], kernel, *xs[1:], softcap)
+        return (loss + l_c, count + n_c, dw + dw_c), dh_c
+
+    zero = jnp.zeros((), jnp.float32)
+    dw0 = jnp.zeros(kernel.shape, jnp.float32)
+    (loss, count, dw), dhs = jax.lax.scan(body, (zero, zero, dw0), (hs, ts, ms))
+    b, n, c = h.shape[0], hs.shape[0], chunk_size
+    dh = jnp.moveaxis(dhs, 0, 1).reshape(b, n * c, h.shape[-1])
+    if h_rest.shape[1]:
+        l_r, n_r, dh_r, dw_r = _ce_chunk_grads(h_rest, kernel, t_rest, m_rest, softcap)
+        loss, count, dw = loss + l_r, count + n_r, dw + dw_r
+        dh = jnp.concatenate([dh, dh_r], axis=1)
+    return loss, count, constrain(dh, ("batch", "length", "embed")), dw
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_ce_sums(
+    h: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    mask: jax.Array,
+    chunk_size: int,
+    softcap: float | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Chunked cross-entropy (loss sum, count) whose forward pass under autodiff also takes the
+    gradient of the loss sum, chunk by chunk: three head matmuls per chunk (logits, dh, dW)
+    instead of four (the checkpointed chunk's logits made again in the backward pass). The
+    residuals are dh [B, T, D] in h's dtype and dW [D, V] in the kernel's; dW is summed over the
+    chunks in float32, as `_chunked_sums` does."""
+    return _fused_ce_forward(h, kernel, targets, mask, chunk_size, softcap)[:2]
+
+
+def _fused_ce_fwd(h, kernel, targets, mask, chunk_size, softcap):  # noqa: ANN001, ANN202
+    loss, count, dh, dw = _fused_ce_forward(h, kernel, targets, mask, chunk_size, softcap)
+    return (loss, count), (dh, dw.astype(kernel.dtype))
+
+
+def _fused_ce_bwd(chunk_size, softcap, res, g):  # noqa: ANN001, ANN202
+    dh, dw = res
+    g_loss = g[0]  # the count has no gradient
+    dh = (dh.astype(jnp.float32) * g_loss).astype(dh.dtype)
+    dw = (dw.astype(jnp.float32) * g_loss).astype(dw.dtype)
+    return dh, dw, None, None
+
+
+_fused_ce_sums.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 
 def _chunked_sums(

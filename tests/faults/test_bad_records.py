@@ -205,8 +205,8 @@ def test_a_broken_record_is_one_line_and_the_others_list(tmp_path, content, why)
     ],
 )  # fmt: skip
 def test_a_malformed_index_entry_is_one_sentence(tmp_path, index, why):
+    from jobspec.run_store import ArtifactStore
     from runtime.run.checkpoint import load_index, reconciled_entries
-    from runtime.run.store import ArtifactStore
 
     run = tmp_path / "run"
     (run / "checkpoints" / "4").mkdir(parents=True)

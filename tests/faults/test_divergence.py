@@ -22,8 +22,9 @@ import pytest
 from jobspec.errors import ConfigError, DivergedError
 from jobspec.exit_codes import EXIT_DIVERGED, is_restartable
 from jobspec.load import parse_run_config
+from jobspec.run_store import ArtifactStore
+from runtime.data.samples import sample_digest
 from runtime.run.inspect import inspect_run, render
-from runtime.run.store import ArtifactStore
 from runtime.train.loop import train
 
 from runs import run_cli, stderr_lines, tiny_config, write_config
@@ -58,7 +59,10 @@ def _poisoned(prepared: str, dest: Path, first_step: int, last_step: int | None 
         if a < b:
             tokens[a:b] = np.iinfo(tokens.dtype).max
             tokens.tofile(path)
+            # Bad data its manifest vouches for (else the load refuses the changed shard).
+            shard["sample_sha256"] = sample_digest(tokens.tobytes())
         start += n
+    (dest / "manifest.json").write_text(json.dumps(manifest))
     return str(dest / "manifest.json")
 
 
@@ -176,6 +180,8 @@ def test_a_checkpoint_damaged_into_nan_is_refused_at_resume(tmp_path, prepared) 
         io.save(tmp_path / "nan-params", jax.tree.unflatten(treedef, leaves))
     shutil.rmtree(item)
     shutil.move(tmp_path / "nan-params", item)
+    # As saved before checksums were recorded (else they find the change and resume falls back).
+    (run / "checkpoints/4/checksums.json").unlink()
 
     with pytest.raises(CheckpointError) as caught:
         train(parse_run_config(cfg), "# test\n", resume=True, emit=lambda _line: None)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.backend import TERMINAL, Handle, tail_lines
+from launch.backends.local.orphans import describe, live_hosts
 from launch.backends.local.supervisor import CANCEL_FILE, STATE_FILE, SUPERVISOR_LOG
 from launch.registry import read_json
 
@@ -78,6 +79,18 @@ def status(handle: Handle) -> dict[str, Any]:
     elif st["state"] == "stopping":
         out["state"] = "running"
     if out["state"] not in TERMINAL and not is_supervisor(st["pid"]):
+        if alive := live_hosts(st):  # what it left still trains: not failed, and cancellable
+            note = (
+                "`launch cancel` is stopping them"
+                if cancel_asked
+                else f"nothing restarts them; `launch cancel {st['run_id']}` stops them"
+            )
+            out["state"], out["supervisor_gone"] = "running", True
+            out["detail"] = (
+                f"the supervisor (pid {st['pid']}) is gone; {describe(alive)} "
+                f"{'is' if len(alive) == 1 else 'are'} still running: {note}"
+            )
+            return out
         out["state"] = "cancelled" if cancel_asked else "failed"
         out["detail"] = (
             f"the supervisor (pid {st['pid']}) is gone while the run was {st['state']}; "

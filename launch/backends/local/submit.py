@@ -12,8 +12,9 @@ from jobspec.errors import ConfigError, JaxjobError
 from jobspec.job_spec import SecretRef
 from launch.backend import TERMINAL, Handle, Submission
 from launch.backends import source_pythonpath
+from launch.backends.local.orphans import describe, live_hosts
 from launch.backends.local.render import host_plan, secret_names
-from launch.backends.local.status import SUPERVISOR_MODULE, is_supervisor, pid_alive
+from launch.backends.local.status import SUPERVISOR_MODULE, is_supervisor
 from launch.backends.local.supervisor import CANCEL_FILE, PLAN_FILE, STATE_FILE, SUPERVISOR_LOG
 from launch.registry import Registry, read_json, write_json_atomic
 
@@ -34,20 +35,28 @@ def check_secrets(sub: Submission) -> None:
 def _refuse_if_running(sub: Submission, run_dir: Path) -> None:
     """A fixed run_id may be resubmitted only once its previous supervisor has ended."""
     previous = read_json(run_dir / STATE_FILE)
-    if previous and previous.get("state") not in TERMINAL and is_supervisor(previous.get("pid")):
+    if not previous or previous.get("state") in TERMINAL:
+        return
+    if is_supervisor(previous.get("pid")):
         raise JaxjobError(
             f"run {sub.run_id} is still running (supervisor pid {previous['pid']}); "
             f"`launch cancel {sub.run_id}` first, or submit under another run_id"
         )
+    if alive := live_hosts(previous):  # a dead supervisor's hosts still write to the run
+        raise JaxjobError(
+            f"run {sub.run_id} still has {describe(alive)} running, left by a supervisor that "
+            f"is gone; `launch cancel {sub.run_id}` first, or submit under another run_id"
+        )
 
 
-def _start_supervisor(run_dir: Path) -> subprocess.Popen[bytes]:
+def _start_detached(run_dir: Path, command: str) -> subprocess.Popen[bytes]:
+    """`python -m launch.backends.local <command> RUN_DIR`, its output in supervisor.log."""
     env = dict(os.environ)
     env["PYTHONPATH"] = source_pythonpath(env.get("PYTHONPATH"))
     with open(run_dir / SUPERVISOR_LOG, "ab") as log:
         # A new session: the run outlives this shell and its Ctrl-C.
         return subprocess.Popen(
-            [sys.executable, "-m", SUPERVISOR_MODULE, "supervise", str(run_dir)],
+            [sys.executable, "-m", SUPERVISOR_MODULE, command, str(run_dir)],
             cwd=Path.cwd(),
             env=env,
             stdin=subprocess.DEVNULL,
@@ -65,14 +74,15 @@ def submit(registry: Registry, sub: Submission) -> Handle:
     registry.prepare_run_dir(sub)
     (run_dir / CANCEL_FILE).unlink(missing_ok=True)
     write_json_atomic(run_dir / PLAN_FILE, host_plan(sub, run_dir))
-    proc = _start_supervisor(run_dir)
+    proc = _start_detached(run_dir, "supervise")
     return Handle(
         "local", {"pid": proc.pid, "run_dir": str(run_dir), "log_dir": str(run_dir / "logs")}
     )
 
 
 def cancel(handle: Handle) -> None:
-    """SIGTERM to the supervisor (it forwards it to every host), or to the hosts it left."""
+    """SIGTERM to the supervisor (it forwards it to every host); without one, a detached
+    `stop` does to the hosts it left what it would have done (orphans.stop)."""
     run_dir = Path(handle.data["run_dir"])
     st = read_json(run_dir / STATE_FILE) or {}
     if st.get("state") in TERMINAL:
@@ -82,7 +92,5 @@ def cancel(handle: Handle) -> None:
     if is_supervisor(pid):
         os.kill(pid, signal.SIGTERM)  # it forwards SIGTERM to every host and stops restarting
         return
-    # The supervisor is gone but hosts may not be: stop them the same graceful way.
-    for h in st.get("hosts", []):
-        if h.get("returncode") is None and pid_alive(h["pid"]):
-            os.kill(h["pid"], signal.SIGTERM)
+    if live_hosts(st):
+        _start_detached(run_dir, "stop")

@@ -12,22 +12,36 @@ after a grace) and starts the whole group again, up to max_restarts times; the r
 from the last committed checkpoint by itself. Any other non-zero exit (2: user error) fails the
 run. SIGTERM/SIGINT to the supervisor is a cancel: it forwards SIGTERM to every host (they
 checkpoint, write `interrupted` and exit 42) and does not restart.
+
+A lost host is the one blamed: when the first failure comes while another host's process is
+stopped (SIGSTOP), or a host's watchdog named a peer that stopped responding or advancing (its
+`error:` line, runtime/host/coordination.py), the attempt ends as that host's loss (exit 43,
+restartable) in the supervisor's sentence, its attempt record and a `failure` event in the run's
+events.jsonl (the hosts end by os._exit then and record none). Each host gets SIGTERM from the
+kernel if the supervisor dies (even by SIGKILL), so hosts never train on unsupervised; what does
+not stop is found from supervisor.json by `launch status` and stopped by `launch cancel`
+(orphans.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobspec.exit_codes import is_restartable
+from jobspec.exit_codes import EXIT_HOST_LOST, is_restartable
 from launch.backend import TERMINAL
+from launch.backends.local import procs
 from launch.registry import read_json, utc_now, write_json_atomic
 
 PLAN_FILE = "plan.json"
@@ -43,6 +57,16 @@ POLL_S = 0.1
 # confuse boot, and gRPC to 127.0.0.1 must not go through a proxy.
 _DROP_PREFIXES = ("JAXJOB_",)
 _DROP_SUFFIXES = ("_proxy",)
+
+# A host watchdog's last words (runtime/host/coordination.py): "host 1 of 2 stopped responding
+# (no heartbeat for 5 s); exiting", "this host (host 0 of 2) stopped advancing: ...", "hosts
+# 0, 1 of 2 stopped advancing together at step 8 (...); exiting".
+_WATCHDOG_LINE = re.compile(
+    r"^error: (?:this host \()?hosts? (?P<host>\d+)(?:, \d+)* of \d+\)? "
+    r"stopped (?P<verb>responding|advancing)(?P<why>.*?)(?:; exiting)?$"
+)
+_LOG_TAIL_BYTES = 64 * 1024
+_PR_SET_PDEATHSIG = 1
 
 
 def log_path(run_dir: Path, attempt: int, host: int) -> Path:
@@ -72,6 +96,20 @@ class HostState:
     pid: int
     log: str
     returncode: int | None = None
+    start: int | None = None  # the process's start time (procs.start_time): tells a reused pid
+
+
+@dataclass
+class Lost:
+    """The host an attempt's failure is blamed on, and why."""
+
+    host: int
+    verb: str  # "responding" or "advancing"
+    why: str
+
+    @property
+    def sentence(self) -> str:
+        return f"host {self.host} stopped {self.verb} (exit {EXIT_HOST_LOST}: {self.why})"
 
 
 @dataclass
@@ -79,6 +117,7 @@ class State:
     run_id: str
     pid: int
     max_restarts: int
+    pgid: int | None = None  # the process group of the supervisor, its hosts and their children
     state: str = (
         "starting"  # starting | running | stopping | restarting | succeeded | failed | cancelled
     )
@@ -109,6 +148,40 @@ def host_env(host: dict[str, Any], attempt: int, port: int, submission_id: str) 
     return env
 
 
+def _end_with_supervisor(supervisor: int) -> Callable[[], None] | None:
+    """For Popen's preexec_fn (Linux): the host gets SIGTERM when the supervisor dies, even by
+    SIGKILL, and stops as on a cancel (a checkpoint, exit 42) rather than train on unsupervised.
+    The supervisor is single-threaded, as preexec_fn needs."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != supervisor:  # it died before the request was in place
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def watchdog_said(log: str) -> Lost | None:
+    """The lost host a host's watchdog named in the last lines of its log `log`, if it did."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.path.getsize(log) - _LOG_TAIL_BYTES))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        m = _WATCHDOG_LINE.match(line.strip())
+        if m:
+            why = m["why"].strip().removeprefix(":").strip()
+            if why.startswith("(") and why.endswith(")"):
+                why = why[1:-1]
+            return Lost(int(m["host"]), m["verb"], why)
+    return None
+
+
 class Supervisor:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
@@ -118,14 +191,20 @@ class Supervisor:
         self.plan: dict[str, Any] = plan
         previous = read_json(run_dir / STATE_FILE) or {}
         self.state = State(
-            run_id=plan["run_id"], pid=os.getpid(), max_restarts=plan["max_restarts"]
+            run_id=plan["run_id"],
+            pid=os.getpid(),
+            max_restarts=plan["max_restarts"],
+            # Only a group it leads (submit starts it in a session of its own) is the run's.
+            pgid=os.getpgrp() if os.getpgrp() == os.getpid() else None,
         )
         # A resubmitted run (fixed run_id) continues the attempt count, so logs never collide.
         past = previous.get("attempts") or []
         self.first_attempt = past[-1]["attempt"] + 1 if past else 0
         self.state.attempts = list(past)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.stopped: list[int] = []  # hosts whose process was stopped at the first failure
         self.submission_id = f"local-{uuid.uuid4().hex[:12]}"
+        self.preexec = _end_with_supervisor(os.getpid())
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -174,9 +253,12 @@ class Supervisor:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    preexec_fn=self.preexec,
                 )
             self.procs.append(proc)
-            self.state.hosts.append(HostState(i, proc.pid, str(path)))
+            self.state.hosts.append(
+                HostState(i, proc.pid, str(path), start=procs.start_time(proc.pid))
+            )
         self.say(
             f"attempt {attempt}: started {n} hosts {[p.pid for p in self.procs]} on port {port}"
         )
@@ -192,6 +274,7 @@ class Supervisor:
     def watch(self) -> tuple[int, int] | None:
         """Wait for every host to exit; the first failure (host, code) if there was one."""
         first_failure: tuple[int, int] | None = None
+        self.stopped = []
         kill_at: float | None = None
         forwarded = False
         grace = self.plan["grace_s"]
@@ -213,7 +296,15 @@ class Supervisor:
                 self.say(f"host {h.index} (pid {h.pid}) {describe_exit(rc)}")
                 if rc != 0 and first_failure is None and not forwarded:
                     first_failure = (h.index, rc)
+                    # Before anything is signalled: a stopped peer is what the others lost.
+                    self.stopped = [
+                        o.index
+                        for o, q in zip(self.state.hosts, self.procs, strict=True)
+                        if q.poll() is None and procs.is_stopped(o.pid)
+                    ]
                     self.signal_running(signal.SIGTERM)
+                    for i in self.stopped:  # it would never act on the SIGTERM
+                        self.procs[i].send_signal(signal.SIGKILL)
                     kill_at = time.monotonic() + grace["failure"]
                     self.set(
                         "stopping",
@@ -247,11 +338,17 @@ class Supervisor:
                 self.set("running", f"attempt {attempt}: {len(self.procs)} hosts running")
                 failure = self.watch()
                 codes = [h.returncode for h in self.state.hosts]
-                outcome, detail = self.outcome(failure, codes)
-                self.state.attempts.append(
-                    {"attempt": attempt, "started": started, "ended": utc_now(),
-                     "returncodes": codes, "outcome": outcome, "detail": detail}
-                )  # fmt: skip
+                lost = self.lost(failure)
+                outcome, detail = self.outcome(failure, codes, lost)
+                record: dict[str, Any] = {
+                    "attempt": attempt, "started": started, "ended": utc_now(),
+                    "returncodes": codes, "outcome": outcome, "detail": detail,
+                }  # fmt: skip
+                if lost is not None:
+                    record["failure"] = {"host": lost.host, "exit_code": EXIT_HOST_LOST,
+                                         "reason": lost.why}  # fmt: skip
+                    self.record_failure(attempt, lost)
+                self.state.attempts.append(record)
                 if outcome != "restart":
                     self.set(outcome, detail)
                     return {"succeeded": 0, "cancelled": 3}.get(outcome, 1)
@@ -263,7 +360,55 @@ class Supervisor:
             self.set("failed", f"the supervisor failed: {type(e).__name__}: {e}")
             raise
 
-    def outcome(self, failure: tuple[int, int] | None, codes: list[int | None]) -> tuple[str, str]:
+    def lost(self, failure: tuple[int, int] | None) -> Lost | None:
+        """The host the first failure is blamed on: one whose process was stopped then, else
+        the peer a host's watchdog named on its way out (exit 43)."""
+        if failure is None or self.state.cancel_requested:
+            return None
+        host, rc = failure
+        first = f"host {host} {describe_exit(rc)}"
+        # Only a failure a lost peer causes (a watchdog's 43, JAX's abort) is blamed on it.
+        if self.stopped and (rc == EXIT_HOST_LOST or rc < 0):
+            i = self.stopped[0]
+            pid = self.state.hosts[i].pid
+            return Lost(i, "responding", f"its process (pid {pid}) is stopped; {first}")
+        # The first failure's own words first, then the other hosts'.
+        for h in sorted(self.state.hosts, key=lambda h: h.index != host):
+            if h.returncode == EXIT_HOST_LOST and (said := watchdog_said(h.log)):
+                if said.host == host and rc != EXIT_HOST_LOST:
+                    return None  # it died first (killed, say): that is the clearer sentence
+                extra = "" if h.index == host else f"; {first}"
+                return Lost(said.host, said.verb, f"host {h.index}: {said.why}{extra}")
+        return None
+
+    def record_failure(self, attempt: int, lost: Lost) -> None:
+        """A `failure` event in the run's events.jsonl naming the lost host: the hosts ended by
+        os._exit and recorded none. Through the runtime's artifact store (jsonl parts on gs://),
+        after every host has exited, with a short retry: a storage outage only costs the event."""
+        output_uri = (self.plan["hosts"][0].get("env") or {}).get("JAXJOB_OUTPUT_URI")
+        if not output_uri:
+            return
+        try:
+            from jobspec.run_store import ArtifactStore
+            from jobspec.storage import RetryPolicy, join
+
+            if "://" not in output_uri:  # a relative path is the hosts', from their cwd
+                output_uri = os.path.join(self.plan["cwd"], output_uri)
+            store = ArtifactStore(
+                join(output_uri, self.state.run_id), retry=RetryPolicy(total_s=30, call_s=10)
+            )
+            event = {
+                "time": utc_now(), "event": "failure", "error": lost.sentence, "type": "HostLost",
+                "exit_code": EXIT_HOST_LOST, "host": lost.host, "attempt": attempt,
+                "recorded_by": "the local supervisor",
+            }  # fmt: skip
+            store.append_jsonl("events.jsonl", [event])
+        except Exception as e:  # noqa: BLE001 - the run goes on; the log says what was missed
+            self.say(f"warning: could not record the failure event in {output_uri}: {e}")
+
+    def outcome(
+        self, failure: tuple[int, int] | None, codes: list[int | None], lost: Lost | None = None
+    ) -> tuple[str, str]:
         n = len(codes)
         if all(c == 0 for c in codes):
             return "succeeded", f"all {n} hosts exited 0"
@@ -272,6 +417,8 @@ class Supervisor:
             return "cancelled", f"cancelled ({ends})"
         host, rc = failure if failure is not None else (0, codes[0] or 1)
         what = f"host {host} {describe_exit(rc)}"
+        if lost is not None:  # a lost host is exit 43 whichever timeout fired first
+            host, rc, what = lost.host, EXIT_HOST_LOST, lost.sentence
         if not is_restartable(rc):
             return (
                 "failed",

@@ -8,8 +8,9 @@ under `hosts/<process_index>/` and any host may write them.
 JSONL files are appended: locally in place; on gs:// (no append) as bounded parts
 `<name>.parts/000000.jsonl`, … (jobspec.storage), so an append costs at most one part's upload
 however long the run. Storage faults (ENOSPC, EIO, gs:// 5xx, timeouts) are retried
-(jobspec.storage.with_retries) and then end the job restartable (StorageFaultError, exit 45);
-a missing bucket or permission stays StorageError (exit 2).
+(jobspec.storage.with_retries: every try has a deadline, so a server that stops answering is a
+failed try) and then end the job restartable (StorageFaultError, exit 45); a missing bucket or
+permission stays StorageError (exit 2).
 
 A torn last JSONL line (a crash mid-append) is dropped with a warning by readers and cut off the
 file by the writer before it appends again; a bad line anywhere else is corruption.
@@ -353,6 +354,15 @@ class ArtifactStore:
             if isinstance(row, dict):
                 return row
         return None
+
+    def probe(self) -> None:
+        """One listing of the run directory, unretried: whether its storage answers at all (a
+        missing directory is an answer too). For a watcher with a deadline (jobspec.storage.answers)."""
+        self._fresh()
+        try:
+            self.fs.ls(self._root, detail=False)
+        except FileNotFoundError:
+            pass
 
     # ---- start-up check ----------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ Parameters and activations carry logical axis names only; mesh placement is shar
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -193,6 +194,22 @@ def constrain_logits(logits: jax.Array) -> jax.Array:
     return constrain(logits, ACT_VOCAB)
 
 
+def _stacked_variable(template: nnx.Variable, value: Any, eager_sharding: bool) -> nnx.Variable:
+    """A variable of `template`'s type and metadata holding `value` (the layers' values stacked
+    along a new leading axis): `LAYERS_AXIS` is prepended to its out_sharding, and its
+    eager_sharding (where it has one) is `eager_sharding`."""
+    meta = dict(template.get_metadata())
+    if meta.get("out_sharding") is not None:
+        meta["out_sharding"] = (LAYERS_AXIS, *meta["out_sharding"])
+    if "eager_sharding" in meta:
+        meta["eager_sharding"] = eager_sharding
+    return type(template)(value, **meta)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
 def stack_layers(layers: list[nnx.Module], *, eager_sharding: bool = False) -> nnx.Module:
     """One module of `layers[0]`'s structure whose every variable is the stack of the layers' own
     along a new leading axis (logical name `LAYERS_AXIS`, prepended to each Param's out_sharding,
@@ -206,12 +223,87 @@ def stack_layers(layers: list[nnx.Module], *, eager_sharding: bool = False) -> n
     states = [nnx.state(layer) for layer in layers]
 
     def stack(*vs: nnx.Variable) -> nnx.Variable:
-        meta = dict(vs[0].get_metadata())
-        if meta.get("out_sharding") is not None:
-            meta["out_sharding"] = (LAYERS_AXIS, *meta["out_sharding"])
-        if "eager_sharding" in meta:
-            meta["eager_sharding"] = eager_sharding
-        return type(vs[0])(jnp.stack([v[...] for v in vs]), **meta)
+        return _stacked_variable(vs[0], jnp.stack([v[...] for v in vs]), eager_sharding)
 
-    stacked = jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    stacked = jax.tree.map(stack, *states, is_leaf=_is_variable)
+    return nnx.merge(graphdef, stacked)
+
+
+def _draws_per_layer(
+    make: Callable[[nnx.Rngs], nnx.Module], keys: dict[str, jax.Array]
+) -> tuple[dict[str, int], nnx.GraphDef, Any]:
+    """Build one layer abstractly from fresh streams (`keys`, counters at 0) -> (how many keys
+    it draws from each stream, its graphdef, its abstract state). Only the counters are computed
+    (they are concrete, `ensure_compile_time_eval`); the keys and parameters stay abstract."""
+    found: dict[str, Any] = {}
+
+    def dry(keys: dict[str, jax.Array]) -> Any:
+        with jax.ensure_compile_time_eval():
+            rngs = nnx.Rngs(**keys)
+            layer = make(rngs)
+            found["counts"] = {name: stream.count[...] for name, stream in rngs.items()}
+        found["graphdef"], state = nnx.split(layer)
+        return state
+
+    template = jax.eval_shape(dry, keys)
+    try:
+        draws = {name: int(count) for name, count in found["counts"].items()}
+    except jax.errors.ConcretizationTypeError as e:  # pragma: no cover - a flax change
+        raise RuntimeError("build_stacked: the layer's RNG draw count is not static") from e
+    return draws, found["graphdef"], template
+
+
+#: PRNG implementations whose batched random bits (`jax.vmap`) are key by key those of a loop. A
+#: batched `rng_bit_generator` (rbg, unsafe_rbg) draws the whole batch from its first key, so for
+#: those `build_stacked` runs the layer's build in a `lax.map` (a loop, also of one copy).
+_VMAP_EXACT_IMPLS = ("threefry2x32",)
+
+
+def build_stacked(
+    make: Callable[[nnx.Rngs], nnx.Module],
+    rngs: nnx.Rngs,
+    num: int,
+    *,
+    eager_sharding: bool = False,
+) -> nnx.Module:
+    """`stack_layers([make(rngs) for _ in range(num)], eager_sharding=...)`, bit for bit, by an
+    init program whose size does not grow with `num`.
+
+    An `nnx.RngStream` derives its n-th key as fold_in(key, count) and then counts up, so if one
+    layer draws k keys from a stream, layer i of the loop draws counts c0 + i*k ... c0 + i*k + k-1
+    (c0: the count before the first layer). Here `make` runs once under `jax.vmap` over the layer
+    index with each stream's counter started at c0 + i*k (one copy of every initialiser, batched
+    over the layers; a `lax.map` instead for the rbg key implementations under a trace, see
+    `_VMAP_EXACT_IMPLS`), and the streams are then advanced by num*k, so whatever draws after
+    the layers (final norm, head) gets the same keys as after the loop. k comes from an abstract
+    build of one layer. `make` must build a fresh layer from the streams it is given (build the
+    layers unsharded: the stacked variables are created with `eager_sharding`).
+    """
+    streams = dict(rngs.items())
+    keys = {name: stream.key[...] for name, stream in streams.items()}
+    vmap_exact = all(str(jax.random.key_impl(key)) in _VMAP_EXACT_IMPLS for key in keys.values())
+    traced = any(isinstance(key, jax.core.Tracer) for key in keys.values())
+    if any(stream.count.shape != () for stream in streams.values()) or not (vmap_exact or traced):
+        # Split (batched) streams; or rbg keys outside a trace, where `lax.map` would compile the
+        # layer's build (not bitwise the eager ops): keep the layer-by-layer build.
+        return stack_layers([make(rngs) for _ in range(num)], eager_sharding=eager_sharding)
+    starts = {name: stream.count[...] for name, stream in streams.items()}
+    draws, graphdef, template = _draws_per_layer(make, keys)
+
+    def one_layer(i: jax.Array) -> Any:
+        layer_rngs = nnx.Rngs(**keys)
+        for name, stream in layer_rngs.items():
+            stream.count.set_value(starts[name] + i * jnp.uint32(draws[name]))
+        return jax.tree.map(lambda v: v[...], nnx.state(make(layer_rngs)), is_leaf=_is_variable)
+
+    indices = jnp.arange(num, dtype=jnp.uint32)
+    if vmap_exact:
+        values = jax.vmap(one_layer)(indices)
+    else:
+        values = lax.map(one_layer, indices)
+    for name, stream in streams.items():
+        stream.count.set_value(starts[name] + jnp.uint32(num * draws[name]))
+    stacked = jax.tree.map(
+        lambda t, v: _stacked_variable(t, v, eager_sharding), template, values, is_leaf=_is_variable
+    )
     return nnx.merge(graphdef, stacked)

@@ -61,11 +61,11 @@ from runtime.model.layers import (
     Embed,
     RMSNorm,
     apply_rope,
+    build_stacked,
     constrain_logits,
     dtype_of,
     remat_call,
     rope_tables,
-    stack_layers,
 )
 from runtime.model.sharding import constrain
 
@@ -281,10 +281,15 @@ class Decoder(nnx.Module):
         self.embed_tokens = Embed(cfg, rngs=rngs, eager_sharding=eager_sharding)
         kw = {"rngs": rngs, "mlp_factory": mlp_factory}
         if cfg.scan_layers:
-            # Built one by one (the unrolled model's draws, in its order), then stacked; when
-            # eager, the stack is sharded as a whole, so the layers themselves are not.
-            blocks = [Block(cfg, eager_sharding=False, **kw) for _ in range(cfg.num_layers)]
-            self.layers = stack_layers(blocks, eager_sharding=eager_sharding)
+            # The unrolled model's draws, in its order, by one vmapped build of all the layers
+            # (`build_stacked`: the init program does not grow with depth); when eager, the
+            # stack is sharded as a whole, so the layers themselves are not.
+            self.layers = build_stacked(
+                lambda r: Block(cfg, eager_sharding=False, rngs=r, mlp_factory=mlp_factory),
+                rngs,
+                cfg.num_layers,
+                eager_sharding=eager_sharding,
+            )
         else:
             blocks = [
                 Block(cfg, eager_sharding=eager_sharding, **kw) for _ in range(cfg.num_layers)

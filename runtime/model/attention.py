@@ -162,8 +162,10 @@ def _cudnn_max_head_dim() -> int:
 
 
 def splash_block(t: int) -> int:
-    """Splash's block size (query and key, forward and backward) for T tokens."""
-    return next(b for b in _SPLASH_BLOCKS if t % b == 0)
+    """Splash's block size (query and key, forward and backward) for T tokens: the largest of
+    _SPLASH_BLOCKS dividing T, else T itself (a plan's estimate for a length the kernel would
+    refuse: it takes multiples of 128)."""
+    return next((b for b in _SPLASH_BLOCKS if t % b == 0), t)
 
 
 @functools.lru_cache(maxsize=64)

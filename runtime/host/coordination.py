@@ -129,6 +129,12 @@ class StopAgreement:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self.stop_step is not None:
+            # Stopped by a signal and checkpointed: the host only has its exit 42 left. A later
+            # SIGTERM (srun --kill-on-bad-exit once a faster peer exited 42, a second scancel,
+            # or any after JAX's preemption notifier is gone) must not turn it into a death by
+            # signal (143) in the record.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 # The phases of a host's loop. Only "step" is judged for stalls: the others may legitimately

@@ -331,16 +331,20 @@ class RunClaim:
         self._thread.start()
 
     def _renew_loop(self, interval: float) -> None:
+        renewed = time.monotonic()
         while not self._stop.wait(interval):
             try:
                 self.renew()
+                renewed = time.monotonic()
             except RunOwnedError as e:
                 from runtime.host import hostlog
 
                 print(f"error: {e}", file=sys.stderr, flush=True)
                 hostlog.hard_exit(EXIT_BAD_INPUT)
             except Exception as e:  # a passing storage fault: the lease is long enough to retry
-                if not self._warned:
+                # Said only once half the lease has gone unrenewed: a fault that passes (or one
+                # the run itself reports a moment later, a full disk) needs no line of its own.
+                if not self._warned and time.monotonic() - renewed > self.record.lease_s / 2:
                     self._warned = True
                     print(
                         f"warning: could not renew the claim on {self.uri} ({e}); retrying",

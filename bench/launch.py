@@ -32,7 +32,8 @@ import tomli_w  # noqa: E402
 import yaml  # noqa: E402
 
 from jobspec.errors import JaxjobError  # noqa: E402
-from launch.cli import get_backend, prepare_submission  # noqa: E402
+from launch.backends import get_backend  # noqa: E402
+from launch.cli import prepare_submission  # noqa: E402
 from launch.registry import Registry  # noqa: E402
 
 HOSTS = (1, 64, 1024)

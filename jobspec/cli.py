@@ -8,8 +8,7 @@ import sys
 import click
 
 from jobspec.errors import JaxjobError
-
-EXIT_USER_ERROR = 2
+from jobspec.exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 
 
 def run_group(group: click.Group, prog_name: str, argv: list[str] | None = None) -> None:
@@ -18,13 +17,13 @@ def run_group(group: click.Group, prog_name: str, argv: list[str] | None = None)
         group.main(args=argv, prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except click.ClickException as e:
         e.show()
-        sys.exit(EXIT_USER_ERROR)
+        sys.exit(EXIT_BAD_INPUT)
     except JaxjobError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)

@@ -1,4 +1,5 @@
-"""The runtime's exit codes: what every host returns and what the backends decide restarts on.
+"""Every exit code jaxjob defines: what every host returns and what the backends decide restarts
+on, and how the `launch` and `runtime` commands end.
 
 One table for both sides, here because `launch` (no jax) and `runtime` both import `jobspec`.
 The README's "Exit codes and restarts" table is this file in words; keep them together.
@@ -6,6 +7,9 @@ The README's "Exit codes and restarts" table is this file in words; keep them to
 
 from __future__ import annotations
 
+# A command that ran and answers no: `launch submit --wait` of a run that failed or was
+# cancelled. From a host, 1 is a bug (an uncaught exception).
+EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2  # a user mistake (config, data, spec): one sentence on stderr; never restarted
 EXIT_RESTARTABLE = 42  # stopped by SIGTERM/SIGINT (after its final checkpoint, or during start-up)
 EXIT_HOST_LOST = 43  # a peer host stopped responding or stopped advancing (host_loss_timeout_s)
@@ -24,6 +28,9 @@ RESTARTABLE_EXIT_CODES = (
 # A process killed by signal N exits 128+N as a shell or container runtime reports it
 # (134 SIGABRT from JAX losing host 0, 137 SIGKILL/OOM, 139 SIGSEGV, 143 SIGTERM).
 SIGNAL_EXIT_CODES = tuple(range(129, 160))
+# A command stopped by Ctrl-C (128 + SIGINT, as a shell reports it); a host stopped by SIGINT
+# checkpoints and exits EXIT_RESTARTABLE instead.
+EXIT_INTERRUPTED = 130
 
 
 def is_restartable(rc: int) -> bool:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from jobspec.run_dir import EventKind
+
 # Buckets in the order they are reported, with what they mean.
 BUCKETS = {
     "productive": "training steps that moved the run forward",
@@ -36,7 +38,7 @@ def _attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The last snapshot of each attempt (keyed by its process start and pid), oldest first."""
     last: dict[tuple[float, Any], dict[str, Any]] = {}
     for e in events:
-        if e.get("event") == "ledger" and isinstance(e.get("seconds"), dict):
+        if e.get("event") == EventKind.LEDGER and isinstance(e.get("seconds"), dict):
             last[(float(e["process_start"]), e.get("pid"))] = e
     return sorted(last.values(), key=lambda e: float(e["process_start"]))
 

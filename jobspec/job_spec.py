@@ -8,25 +8,23 @@ Only this module and jobspec/load_job.py parse YAML. The run config it names is 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from jobspec.backends.k8s import K8sSection
+from jobspec.backends.local import LocalSection
+from jobspec.backends.section import BackendSection
+from jobspec.backends.slurm import SlurmSection
 from jobspec.catalogue import Accelerator, lookup
 from jobspec.errors import ConfigError
-from jobspec.names import check_k8s_names
 from jobspec.prepare_job import PrepareSection
 from jobspec.run_config import RunConfig, check_dns_label
 from jobspec.secrets import find_secrets, refusal, secret_env_name
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` passes "NAME\n"
-# A Kubernetes resource quantity, as emptyDir sizeLimit takes it (e.g. 8Gi, 512Mi).
-QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")  # fullmatch
 RESERVED_ENV = ("JAXJOB_", "JAX_COORDINATOR", "JAX_PLATFORMS")
-# The local backend runs every host as a process on this machine: past a few dozen they only
-# contend for its cores and memory (and 20,000 wrote a 16 MB hosts.json).
-MAX_LOCAL_PROCESSES = 64
 
 
 class Spec(BaseModel):
@@ -38,80 +36,6 @@ class SecretRef(Spec):
 
     secret: str = Field(description="Kubernetes secret name.")
     key: str = Field(description="Key inside the secret.")
-
-
-class K8sSection(Spec):
-    namespace: str = Field("default", description="Namespace of the JobSet and ConfigMap.")
-    service_account: str | None = Field(None, description="Pod service account.")
-    queue: str | None = Field(
-        None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name)."
-    )
-    priority_class: str | None = Field(None, description="PriorityClass of the pods.")
-    node_selector: dict[str, str] = Field({}, description="Added to the accelerator's selectors.")
-    tolerations: list[dict] = Field([], description="Pod tolerations, as Kubernetes writes them.")
-    labels: dict[str, str] = Field({}, description="Extra labels on the JobSet and pods.")
-    annotations: dict[str, str] = Field({}, description="Extra annotations on the JobSet and pods.")
-    termination_grace_s: Annotated[int, Field(ge=30)] = Field(
-        300, description="SIGTERM to SIGKILL: time for the final checkpoint."
-    )
-    ttl_after_finished_s: Annotated[int, Field(ge=0)] | None = Field(
-        None, description="Delete the JobSet this long after it finishes."
-    )
-    # Pod Security "restricted": the pods run as this numeric non-root user, on a read-only
-    # root filesystem with emptyDirs where the runtime writes (README, "Kubernetes").
-    run_as_user: Annotated[int, Field(ge=1)] = Field(
-        1000, description="Numeric user id the containers run as (never 0)."
-    )
-    run_as_group: Annotated[int, Field(ge=1)] = Field(
-        1000, description="Numeric group id of the containers; also the pod's fsGroup."
-    )
-    shm_size: str = Field(
-        "16Gi", description="Size limit of /dev/shm (memory-backed; NCCL and XLA use it)."
-    )
-    scratch_size: str = Field(
-        "20Gi", description="Size limit of each writable scratch emptyDir (HOME, /tmp)."
-    )
-
-    @field_validator("shm_size", "scratch_size")
-    @classmethod
-    def _quantity(cls, v: str) -> str:
-        if not QUANTITY.fullmatch(v):
-            raise ValueError(f"{v!r} is not a Kubernetes quantity; write it like 16Gi or 512Mi")
-        return v
-
-
-class ContainerSection(Spec):
-    image: str = Field(description="Container image for srun --container-image (pyxis/enroot).")
-    mounts: list[str] = Field([], description="srun --container-mounts entries, SRC:DST.")
-
-
-class SlurmSection(Spec):
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time: str = Field("01:00:00", description="Time limit, as sbatch --time takes it.")
-    constraint: str | None = None
-    cpus_per_task: Annotated[int, Field(gt=0)] | None = Field(
-        None, description="CPUs per host task."
-    )
-    setup: list[str] = Field([], description="Shell lines run before srun (module load, venv…).")
-    signal_grace_s: Annotated[int, Field(ge=10)] = Field(
-        120, description="SIGTERM this long before the time limit, so the run checkpoints."
-    )
-    container: ContainerSection | None = None
-    hosts_per_node: Annotated[int, Field(gt=0)] = Field(
-        1,
-        description="Host processes per node; above 1 only for CPU jobs (e.g. a one-node dev cluster).",
-    )
-
-
-class LocalSection(Spec):
-    processes: Annotated[int, Field(gt=0)] | None = Field(
-        None, description="Host processes (default: hosts)."
-    )
-    devices_per_process: Annotated[int, Field(gt=0)] = Field(
-        1, description="CPU devices per process."
-    )
 
 
 class JobSpec(Spec):
@@ -134,6 +58,7 @@ class JobSpec(Spec):
         {}, description="Extra environment; secrets by reference."
     )
     max_restarts: Annotated[int, Field(ge=0)] = Field(3, description="Restarts of the whole job.")
+    # One section per backend, named as `launch --backend` names it (jobspec/backends/).
     k8s: K8sSection = K8sSection()
     slurm: SlurmSection = SlurmSection()
     local: LocalSection = LocalSection()
@@ -190,14 +115,6 @@ class JobSpec(Spec):
     def catalogue(self) -> Accelerator:
         return lookup(self.accelerator)
 
-    @field_validator("k8s")
-    @classmethod
-    def _k8s_names(cls, v: K8sSection) -> K8sSection:
-        check_k8s_names(namespace=v.namespace, service_account=v.service_account, queue=v.queue,
-                        priority_class=v.priority_class, node_selector=v.node_selector,
-                        labels=v.labels, annotations=v.annotations)  # fmt: skip
-        return v
-
     @model_validator(mode="after")
     def _topology(self) -> JobSpec:
         try:
@@ -225,26 +142,18 @@ class JobSpec(Spec):
     def total_hosts(self) -> int:
         return self.hosts_per_slice * self.slices
 
-    def devices_per_host(self, backend: Literal["local", "slurm", "k8s"]) -> int:
-        if backend == "local":
-            return self.local.devices_per_process
-        return self.catalogue.chips_per_host
+    def backend_section(self, backend: str) -> BackendSection:
+        """The job.yaml section of `backend` (a `launch --backend` name)."""
+        section = getattr(self, backend, None) if backend in type(self).model_fields else None
+        if not isinstance(section, BackendSection):
+            raise ConfigError(f"no backend is called {backend!r}")
+        return section
 
-    def host_processes(self, backend: Literal["local", "slurm", "k8s"]) -> int:
-        if backend != "local":
-            return self.total_hosts
-        procs = self.local.processes or self.total_hosts
-        if procs > MAX_LOCAL_PROCESSES:
-            fixed = self.catalogue.hosts_per_slice is not None  # a TPU slice's own host count
-            field = (
-                "local.processes" if self.local.processes else "accelerator" if fixed else "hosts"
-            )
-            raise ConfigError(
-                f"{field}: {procs} host processes is more than the {MAX_LOCAL_PROCESSES} the local "
-                "backend runs on one machine; use fewer (and a mesh to match), or the slurm or k8s "
-                "backend"
-            )
-        return procs
+    def devices_per_host(self, backend: str) -> int:
+        return self.backend_section(backend).devices_per_host(self.catalogue)
+
+    def host_processes(self, backend: str) -> int:
+        return self.backend_section(backend).host_processes(self.total_hosts, self.catalogue)
 
 
 def spec_yaml(spec: JobSpec) -> str:
@@ -254,9 +163,7 @@ def spec_yaml(spec: JobSpec) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
 
 
-def check_mesh_fits(
-    spec: JobSpec, run: RunConfig, backend: Literal["local", "slurm", "k8s"]
-) -> None:
+def check_mesh_fits(spec: JobSpec, run: RunConfig, backend: str) -> None:
     """The run's mesh must use exactly the job's devices; said before anything is submitted."""
     procs, per = spec.host_processes(backend), spec.devices_per_host(backend)
     devices = procs * per

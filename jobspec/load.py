@@ -7,6 +7,7 @@ import json
 import os
 import re
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +28,38 @@ def _loc(loc: tuple) -> str:
     return out
 
 
-def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model that owns the last key of `loc`, to list its allowed keys."""
-    cur: Any = model
+def union_models(ann: Any) -> list[type[BaseModel]]:
+    """The models of a union of models (`RunConfig.model`: one per family), else []."""
+    if typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
+    if typing.get_origin(ann) is not typing.Union:
+        return []
+    members = [
+        typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a
+        for a in typing.get_args(ann)
+    ]
+    return [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+
+
+def _models_at(model: type[BaseModel], loc: tuple) -> list[type[BaseModel]]:
+    """The pydantic models that own the last key of `loc`, to list its allowed keys: one, or
+    every member of a union of models."""
+    cur: list[type[BaseModel]] = [model]
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
-        field = cur.model_fields.get(part) if isinstance(cur, type) else None
+        field = next((m.model_fields[part] for m in cur if part in m.model_fields), None)
         if field is None:
-            return None
+            return []
         ann = field.annotation
         args = getattr(ann, "__args__", ()) or ()
         nxt = next(
             (a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None
         )
-        if nxt is None:
-            return None
-        cur = nxt
-    return cur if isinstance(cur, type) and issubclass(cur, BaseModel) else None
+        cur = [nxt] if nxt is not None else union_models(ann)
+        if not cur:
+            return []
+    return cur
 
 
 def describe_validation_error(err: ValidationError, model: type[BaseModel], source: str) -> str:
@@ -55,8 +70,8 @@ def describe_validation_error(err: ValidationError, model: type[BaseModel], sour
     loc = tuple(first["loc"])
     path = _loc(loc)
     if first["type"] == "extra_forbidden":
-        owner = _model_at(model, loc)
-        allowed = sorted(f.alias or n for n, f in owner.model_fields.items()) if owner else []
+        owners = _models_at(model, loc)
+        allowed = sorted({f.alias or n for m in owners for n, f in m.model_fields.items()})
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         return f"{source}: {path}: unknown key{hint} (allowed here: {', '.join(allowed)})"

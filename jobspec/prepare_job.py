@@ -18,7 +18,8 @@ from pydantic import Field, ValidationError, field_validator
 
 from jobspec.errors import ConfigError
 from jobspec.load import describe_validation_error, merge, read_toml
-from jobspec.run_config import RunSection, RuntimeConfig, Section
+from jobspec.run_config import RunSection, RuntimeConfig
+from jobspec.section import Section
 from jobspec.storage import is_remote
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -43,7 +44,7 @@ def size_bytes(value: int | str) -> int:
     return n
 
 
-def _local_relative(path: str) -> bool:
+def local_relative(path: str) -> bool:
     """Neither a URI, nor an absolute path, nor a '{stdlib}' glob."""
     return not (is_remote(path) or path.startswith(("file://", "{")) or os.path.isabs(path))
 
@@ -109,7 +110,7 @@ class PrepareSection(Section):
         folder), so every host, whatever its working directory, reads the same files."""
 
         def fix(path: str) -> str:
-            return os.path.abspath(os.path.join(base, path)) if _local_relative(path) else path
+            return os.path.abspath(os.path.join(base, path)) if local_relative(path) else path
 
         tok = self.tokenizer if self.tokenizer == "byte" else fix(self.tokenizer)
         return self.model_copy(
@@ -123,26 +124,6 @@ class PrepareJobConfig(Section):
     run: RunSection
     prepare: PrepareSection
     runtime: RuntimeConfig = RuntimeConfig()
-
-
-def check_prepare_backend(section: PrepareSection, backend: str) -> None:
-    """On k8s the pods share no folder with this machine: the dataset must go to shared storage,
-    and a relative path (this machine's job.yaml folder) means nothing inside a container."""
-    if backend != "k8s":
-        return
-    if not is_remote(section.out):
-        raise ConfigError(
-            f"prepare.out: {section.out!r} is a local path, but on the k8s backend every pod "
-            "writes its parts into prepare.out, which must be storage they all share; use gs://…"
-        )
-    named = [("prepare.tokenizer", section.tokenizer)] if section.tokenizer != "byte" else []
-    named += [(f"prepare.inputs[{k}]", p) for k, p in enumerate(section.inputs)]
-    for field, path in named:
-        if _local_relative(path):
-            raise ConfigError(
-                f"{field}: {path!r} is relative to the job.yaml's folder on this machine, which "
-                "the pods do not have; use gs://… or an absolute path inside the image"
-            )
 
 
 def prepare_toml(section: PrepareSection, run_id: str, output_uri: str | None) -> dict:

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobspec.run_dir import EventKind
+
 # The events that open or close an attempt; the newest of them says where the run stands.
-_ATTEMPT_EVENTS = ("start", "resume", "failure", "finish", "interrupted")
+_ATTEMPT_EVENTS = (
+    EventKind.START,
+    EventKind.RESUME,
+    EventKind.FAILURE,
+    EventKind.FINISH,
+    EventKind.INTERRUPTED,
+)
 
 
 def effective_manifest(manifest: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -23,7 +31,7 @@ def effective_manifest(manifest: dict[str, Any], events: list[dict[str, Any]]) -
     if manifest.get("status") != "running":
         return manifest
     last = next((e for e in reversed(events) if e.get("event") in _ATTEMPT_EVENTS), None)
-    if last is None or last.get("event") != "failure":
+    if last is None or last.get("event") != EventKind.FAILURE:
         return manifest
     # Both times are now() of the writer host: ISO 8601 in UTC, so they sort as strings.
     if str(last.get("time", "")) <= str(manifest.get("updated", "")):

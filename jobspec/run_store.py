@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from jobspec.errors import StorageError
+from jobspec.run_dir import host_dir
 from jobspec.storage import (
     DEFAULT_RETRY,
     PART_BYTES,
@@ -89,7 +90,7 @@ class ArtifactStore:
         return join(self._root, rel)
 
     def host_rel(self, rel: str) -> str:
-        return join(f"hosts/{self.process_index}", rel)
+        return join(host_dir(self.process_index), rel)
 
     # ---- writes ------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from jobspec.job_spec import JobSpec
 
@@ -53,10 +53,18 @@ class Handle:
 
 
 class Backend(Protocol):
+    """A way to run a job's hosts, registered by name in `launch.backends.BACKENDS`. Its job.yaml
+    section (options, host processes, devices per host) is `jobspec.backends.<name>`."""
+
     name: str
     # Whether submit writes cfg.toml and job.yaml into the registry's run folder itself;
     # otherwise `launch submit` writes them there (once) for the record.
     writes_run_files: bool
+    # What status/logs/cancel read from a Handle's data: a run record without them is broken.
+    handle_keys: ClassVar[tuple[str, ...]]
+    # The `launch submit/render` options it takes (`context` for --context), passed to its
+    # constructor by name; the registry keeps them with the run for status/logs/cancel.
+    cli_options: ClassVar[tuple[str, ...]]
 
     def render(self, sub: Submission) -> list[RenderedFile]:
         """Exactly what submit would send; nothing is sent."""

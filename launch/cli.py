@@ -2,13 +2,12 @@
 
 Every check of the job spec (YAML, fields, accelerator, topology, mesh fit) happens before a
 backend is asked to do anything. User mistakes end in one sentence on stderr and exit 2, never a
-traceback. Backends are imported by name on first use: `launch` never imports jax, and a backend
-whose module or client library is missing is an error naming it, not an ImportError.
+traceback. Backends are named in `launch.backends.BACKENDS` and imported on first use: `launch`
+never imports jax; what differs between backends is asked of the backend or its job.yaml section.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import sys
@@ -21,61 +20,16 @@ import click
 from jobspec.cli import run_group
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.evals import eval_text
+from jobspec.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
 from jobspec.goodput import duration, goodput_line
 from jobspec.job_spec import JobSpec, check_mesh_fits
 from jobspec.load_job import job_schema, load_job
-from jobspec.prepare_job import check_prepare_backend
-from jobspec.run_config import check_dns_label
 from jobspec.storage import is_remote
 from launch.backend import TERMINAL, Backend, Submission
-from launch.registry import Registry, RunRecord, utc_now
+from launch.backends import BACKENDS, backend_options, get_backend
+from launch.registry import Registry, RunRecord
 from launch.runid import new_run_id
-
-EXIT_RUN_FAILED = 1  # `--wait`: the run ended failed or cancelled
-
-# name: (module, class, pip extra that brings its client library)
-BACKENDS: dict[str, tuple[str, str, str | None]] = {
-    "local": ("launch.backends.local", "LocalBackend", None),
-    "slurm": ("launch.backends.slurm", "SlurmBackend", None),
-    "k8s": ("k8s.backend", "K8sBackend", "k8s"),
-}
-
-
-def get_backend(name: str, options: dict[str, Any] | None = None) -> Backend:
-    if name not in BACKENDS:
-        raise JaxjobError(f"unknown backend {name!r}; use one of {', '.join(BACKENDS)}")
-    module, cls, extra = BACKENDS[name]
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        missing = e.name or "?"
-        if module == missing or module.startswith(f"{missing}."):
-            raise JaxjobError(
-                f"the {name} backend is not available in this installation ({module} is missing)"
-            ) from None
-        hint = f"; install it with pip install 'jaxjob[{extra}]'" if extra else ""
-        raise JaxjobError(
-            f"the {name} backend needs the Python package {missing!r}, which is not installed{hint}"
-        ) from None
-    factory = getattr(mod, cls, None)
-    if factory is None:
-        raise JaxjobError(f"the {name} backend is not available: {module} has no {cls}")
-    return factory(**(options or {}))
-
-
-def _backend_options(backend: str, context: str | None, namespace: str | None) -> dict[str, Any]:
-    if backend == "k8s":
-        if namespace is not None:  # it replaces k8s.namespace, which the spec checks
-            try:
-                check_dns_label(namespace, "--namespace ")
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        return {"context": context, "namespace": namespace}
-    given = [f for f, v in (("--context", context), ("--namespace", namespace)) if v is not None]
-    if given:
-        verb = "applies" if len(given) == 1 else "apply"
-        raise JaxjobError(f"{' and '.join(given)} {verb} only to --backend k8s, not {backend}")
-    return {}
+from launch.state import utc_now
 
 
 def prepare_submission(job_path: str, backend: str, registry: Registry) -> Submission:
@@ -89,17 +43,18 @@ def prepare_submission(job_path: str, backend: str, registry: Registry) -> Submi
     job = load_job(job_path, fresh_id)
     spec, run, run_id, run_toml = job.spec, job.run, job.run_id, job.run_toml
     try:
+        section = spec.backend_section(backend)
         if run is not None:
-            check_mesh_fits(spec, run, backend)  # type: ignore[arg-type]
+            check_mesh_fits(spec, run, backend)
         else:  # a prepare job uses no devices: only where its hosts can read and write
             assert spec.prepare is not None
-            check_prepare_backend(spec.prepare, backend)
+            section.check_prepare(spec.prepare)
     except ConfigError as e:  # the sentence names the field; add the file it is in
         raise ConfigError(f"{job.path}: {e}") from None
     output_uri = job.output_uri
-    # A relative path means "here" for processes on this machine or a shared filesystem
-    # (local, slurm); inside a k8s container it is the container's own, so it stays as written.
-    if not is_remote(output_uri) and backend != "k8s":
+    # A relative path means "here" for hosts that see this machine's files; elsewhere (inside a
+    # container) it is their own, so it stays as written.
+    if not is_remote(output_uri) and section.hosts_see_this_filesystem:
         output_uri = str(Path(output_uri.removeprefix("file://")).resolve())
     return Submission(
         spec=spec,
@@ -243,10 +198,10 @@ def submit_cmd(
     """Check JOB (a job.yaml) and submit it; prints the run id and how to follow it."""
     if all_hosts and not wait:
         raise JaxjobError("--all-hosts applies only with --wait (launch logs RUN --all-hosts)")
-    options = _backend_options(backend, context, namespace)
+    options = backend_options(backend, {"context": context, "namespace": namespace})
+    impl = get_backend(backend, options)  # a bad option is said before the job spec is read
     registry = Registry()
     sub = prepare_submission(job, backend, registry)
-    impl = get_backend(backend, options)
     run_dir = registry.run_dir(sub.run_id)
     existed = run_dir.exists()
     try:
@@ -280,14 +235,14 @@ def submit_cmd(
         return
     if not as_json:
         click.echo(f"submitted {rec.run_id} to the {backend} backend; waiting for it", err=True)
-    hosts = sub.spec.host_processes(backend)  # type: ignore[arg-type]
+    hosts = sub.spec.host_processes(backend)
     try:
         st = _wait(impl, rec, stream=not as_json, all_hosts=all_hosts, hosts=hosts)
     except KeyboardInterrupt:
         click.echo(
             f"stopped waiting; {rec.run_id} goes on (launch cancel {rec.run_id} stops it)", err=True
         )
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     info = _status(rec, st)
     if as_json:
         _print_json(info)
@@ -296,7 +251,7 @@ def submit_cmd(
             f"run {rec.run_id} {info['state']}: {info['detail']} ({_fmt_progress(info['progress'])})",
             err=True,
         )
-    sys.exit(0 if info["state"] == "succeeded" else EXIT_RUN_FAILED)
+    sys.exit(0 if info["state"] == "succeeded" else EXIT_FAILED)
 
 
 @cli.command("render")
@@ -315,9 +270,9 @@ def render_cmd(
     job: str, backend: str, context: str | None, namespace: str | None, out: str | None
 ) -> None:
     """Show exactly what `submit` would send for JOB; nothing is submitted."""
-    options = _backend_options(backend, context, namespace)
-    sub = prepare_submission(job, backend, Registry())
-    files = get_backend(backend, options).render(sub)
+    options = backend_options(backend, {"context": context, "namespace": namespace})
+    impl = get_backend(backend, options)  # a bad option is said before the job spec is read
+    files = impl.render(prepare_submission(job, backend, Registry()))
     if out is None:
         for f in files:
             if len(files) > 1:
@@ -404,7 +359,7 @@ def logs_cmd(run: str, host: int | None, follow: bool, tail: int | None, all_hos
                 import yaml
 
                 data = yaml.safe_load((registry.run_dir(rec.run_id) / "job.yaml").read_text())
-                hosts = JobSpec.model_validate(data).host_processes(rec.backend)  # type: ignore[arg-type]
+                hosts = JobSpec.model_validate(data).host_processes(rec.backend)
             except Exception:  # only a shortcut: without it a warning waits its window
                 pass
             view = QuietStream(hosts)
@@ -417,7 +372,7 @@ def logs_cmd(run: str, host: int | None, follow: bool, tail: int | None, all_hos
         if note := hidden.note():
             click.echo(note, err=True)
     except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 @cli.command("cancel")

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from jobspec.errors import JaxjobError
+from jobspec.run_dir import EVAL_METRICS, EVENTS, MANIFEST, TRAIN_METRICS
 
 _TAIL_BYTES = 64 * 1024  # enough for the last few JSONL rows of any metrics file
 
@@ -77,7 +78,7 @@ def read_progress(run_uri: str) -> dict[str, Any]:
 
     try:
         fs, root = url_to_fs(run_uri)
-        manifest_path = join(root, "manifest.json")
+        manifest_path = join(root, MANIFEST)
         if not fs.exists(manifest_path):
             return {"status": None, "step": 0, "total_steps": None, "last_loss": None,
                     "last_event": None, "goodput": None, "eta_s": None, "latest_eval": None,
@@ -89,9 +90,9 @@ def read_progress(run_uri: str) -> dict[str, Any]:
                     "last_loss": None, "last_event": None, "goodput": None, "eta_s": None,
                     "latest_eval": None, "best_eval": None,
                     "note": prepare_note(manifest)}  # fmt: skip
-        rows = _tail_rows(fs, join(root, "metrics/train.jsonl"))
-        events = _all_rows(fs, join(root, "events.jsonl"))
-        evals = eval_summary(_all_rows(fs, join(root, "metrics/eval.jsonl")))
+        rows = _tail_rows(fs, join(root, TRAIN_METRICS))
+        events = _all_rows(fs, join(root, EVENTS))
+        evals = eval_summary(_all_rows(fs, join(root, EVAL_METRICS)))
     except (JaxjobError, OSError, ValueError) as e:
         return {"error": f"cannot read {run_uri}: {e}"}
     # A failure recorded after a `running` manifest that a full disk kept from being replaced.

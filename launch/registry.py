@@ -1,72 +1,28 @@
 """The run registry: what `launch` submitted from this machine, so status/logs/cancel/list work.
 
-Layout under `$XDG_STATE_HOME/jaxjob/` (default `~/.local/state/jaxjob/`):
+Layout under `$XDG_STATE_HOME/jaxjob/` (default `~/.local/state/jaxjob/`; the folders and how
+they are written: state.py):
 
     runs/<run_id>/record.json   the RunRecord (written last: a run without one was never submitted)
     runs/<run_id>/cfg.toml      the run config the hosts read
     runs/<run_id>/job.yaml      the job spec as the user wrote it
     runs/<run_id>/...           whatever the backend keeps there (local: logs/, supervisor.json)
-
-Every JSON file is written to a temporary name and renamed, so a reader sees all of it or none.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import difflib
-import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jobspec.errors import JaxjobError
-from launch.backend import Handle, Submission
+from launch.backend import Handle
+from launch.backends import BACKENDS, backend_class
 from launch.runid import is_run_id
+from launch.state import RunFolders, read_json, write_json_atomic
 
 RECORD_FILE = "record.json"
-
-
-def state_root() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "jaxjob"
-
-
-def utc_now() -> str:
-    return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)  # atomic on POSIX: readers never see a half-written file
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
-
-
-def read_json(path: Path) -> Any | None:
-    """The file's JSON, or None when it does not exist."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-
-
-# What each backend's status/logs/cancel read from a handle: a record without them is broken.
-HANDLE_KEYS = {
-    "local": ("run_dir",),
-    "slurm": ("job_id", "workdir"),
-    "k8s": ("namespace", "jobset"),
-}
 
 
 class BrokenRecordError(JaxjobError):
@@ -120,9 +76,13 @@ def _why_broken(data: Any, run_id: str) -> str | None:
             return f"{k} is {data[k]!r}, not a mapping"
     if data["run_id"] != run_id:
         return f"it names run {data['run_id']!r} but lies in the folder of {run_id!r}"
-    if data["backend"] not in HANDLE_KEYS:
+    if data["backend"] not in BACKENDS:
         return f"unknown backend {data['backend']!r}"
-    lacks = [k for k in HANDLE_KEYS[data["backend"]] if k not in data["handle"]]
+    try:
+        keys = backend_class(data["backend"]).handle_keys
+    except JaxjobError:  # its module is missing here: listed still, `launch status` says why
+        return None
+    lacks = [k for k in keys if k not in data["handle"]]
     if lacks:
         return f"its {data['backend']} handle lacks {', '.join(lacks)}"
     return None
@@ -146,23 +106,8 @@ def read_record(path: Path) -> RunRecord | None:
     return RunRecord.from_dict(data)
 
 
-class Registry:
-    def __init__(self, root: Path | None = None) -> None:
-        self.root = root if root is not None else state_root()
-
-    @property
-    def runs_dir(self) -> Path:
-        return self.root / "runs"
-
-    def run_dir(self, run_id: str) -> Path:
-        return self.runs_dir / run_id
-
-    def prepare_run_dir(self, sub: Submission) -> Path:
-        """The run's own folder with what the hosts read; backends may use it as their workdir."""
-        d = self.run_dir(sub.run_id)
-        write_text_atomic(d / "cfg.toml", sub.run_toml)
-        write_text_atomic(d / "job.yaml", sub.spec_yaml)  # validated, no comments
-        return d
+class Registry(RunFolders):
+    """The run folders and their records."""
 
     def record(self, rec: RunRecord) -> None:
         write_json_atomic(self.run_dir(rec.run_id) / RECORD_FILE, asdict(rec))

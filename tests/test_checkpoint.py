@@ -15,9 +15,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jobspec.errors import CheckpointError
+from jobspec.run_dir import CHECKPOINT_INDEX as INDEX
 from jobspec.run_store import ArtifactStore
 from runtime.run.checkpoint import (
-    INDEX,
     CheckpointService,
     UnreadableCheckpointError,
     load_index,

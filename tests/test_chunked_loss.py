@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 from jax.tree_util import tree_leaves_with_path
 
-from jobspec.run_config import MeshConfig, ModelConfig
+from jobspec.families.model_config import ModelConfig
+from jobspec.run_config import MeshConfig
 from runtime.model.build import build_model
 from runtime.model.sharding import build_mesh
 from runtime.train.loss import (

@@ -19,14 +19,14 @@ from jobspec.accelerators import peak_bf16_flops
 from jobspec.catalogue import lookup
 from jobspec.docs import readme_block
 from jobspec.errors import ConfigError
+from jobspec.families.model_config import ModelConfig
 from jobspec.hf_config import hf_config_from_model, model_fields_from_hf
 from jobspec.job_spec import check_mesh_fits
 from jobspec.load import load_run_config, parse_run_config, read_toml, resolved_dict, to_toml
 from jobspec.load_job import load_job
-from jobspec.run_config import ModelConfig
 from runtime.commands.cli import _overrides
 from runtime.model.flops import flops_per_token, parameter_counts
-from runtime.model.qwen3 import Decoder
+from runtime.model.qwen3.decoder import Decoder
 from runtime.run.compat import fingerprint
 from runtime.train.loop import train
 

@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 from multihost import run_hosts
 
-from jobspec.run_config import ModelConfig
+from jobspec.families.model_config import ModelConfig
 
 from runs import ROOT, batch_of, read_jsonl, run_cli, tiny_config, write_config
 
@@ -164,7 +164,7 @@ MOE = {"family": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
 def _skewed_hf_model(out: Path) -> Path:
     """A tiny Qwen3-MoE in HF format whose routers send nearly every token to expert 0: every
     embedding row gets a shared offset, and each layer's expert-0 router column reads it."""
-    from runtime.hf.convert import write_hf
+    from runtime.model.hf_weights import write_hf
     from runtime.model.registry import build_model_module
 
     cfg = ModelConfig(

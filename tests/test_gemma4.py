@@ -19,15 +19,11 @@ from flax import nnx  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.run_config import MeshConfig  # noqa: E402
-from runtime.hf.convert import (  # noqa: E402
-    flat_params,
-    hf_from_params,
-    model_config_from_hf,
-    write_hf,
-)
+from runtime.hf.convert import flat_params, model_config_from_hf  # noqa: E402
 from runtime.hf.files import read_safetensors  # noqa: E402
 from runtime.model.build import build_model  # noqa: E402
 from runtime.model.flops import flops_per_token, parameter_counts  # noqa: E402
+from runtime.model.hf_weights import hf_from_params, write_hf  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 
 #: fp32 parity bound (the issue's); observed differences are ~1e-6.

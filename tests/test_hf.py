@@ -19,9 +19,10 @@ from safetensors.numpy import load_file  # noqa: E402
 from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.load import parse_run_config  # noqa: E402
 from runtime.commands.hf import import_to_run  # noqa: E402
-from runtime.hf.convert import flat_params, model_config_from_hf, write_hf  # noqa: E402
+from runtime.hf.convert import flat_params, model_config_from_hf  # noqa: E402
 from runtime.hf.files import INDEX, SINGLE, read_safetensors  # noqa: E402
 from runtime.model.build import build_model  # noqa: E402
+from runtime.model.hf_weights import write_hf  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 
 from runs import run_cli, stderr_lines, tiny_config, write_config  # noqa: E402

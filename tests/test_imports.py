@@ -1,18 +1,21 @@
-"""The project's own imports point one way: no cycles, and launch/k8s/jobspec never reach jax
-or runtime. Read from the source with ast, so lazy imports inside functions count too."""
+"""The project's own imports point one way: no cycles; launch and jobspec never reach jax or
+runtime, and jobspec (the contract both sides read) never reaches launch; inside runtime/ every
+import points down the README's package order. Read from the source with ast, so lazy imports
+inside functions (and type-only imports) count too."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from runs import ROOT
 
-PACKAGES = ("jobspec", "runtime", "launch", "k8s")
+PACKAGES = ("jobspec", "runtime", "launch")
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -77,12 +80,77 @@ def test_no_import_cycle_in_the_project() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_launch_k8s_and_jobspec_stay_jax_free_and_never_import_runtime() -> None:
+def test_launch_and_jobspec_stay_jax_free_and_never_import_runtime() -> None:
+    banned = {"jax", "jaxlib", "flax", "optax", "orbax", "grain", "runtime"}
     bad = []
-    for pkg in ("jobspec", "launch", "k8s"):
+    for pkg in ("jobspec", "launch"):
         for path in (ROOT / pkg).rglob("*.py"):
             for name in _imports(path, _module_name(path)):
                 top = name.split(".")[0]
-                if top in ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "runtime"):
+                if top in banned or (pkg == "jobspec" and top == "launch"):
                     bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, bad
+
+
+# The table under "Inside `runtime/` ... imports point down this list" in the README's Layout.
+ORDER_INTRO = "imports point down this list"
+ORDER_ROW = re.compile(r"\| `runtime/(\w+)/` \|")
+
+# Imports up the order that exist today, each to be removed by the restructure that owns it
+# (issue 29): delete a pair here once its import is gone (the test fails on a stale pair).
+KNOWN_UPWARD: set[tuple[str, str]] = set()
+
+
+def runtime_order() -> list[str]:
+    """The runtime packages in the README's Layout table, top to bottom."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if ORDER_INTRO in line)
+    order: list[str] = []
+    for line in lines[start + 1 :]:
+        if row := ORDER_ROW.match(line):
+            order.append(row[1])
+        elif order and not line.startswith("|"):  # the table has ended
+            break
+    return order
+
+
+def upward_imports(order: list[str], root: Path = ROOT) -> set[tuple[str, str]]:
+    """(module, package it imports) for each import from a runtime package to one above it."""
+    rank = {pkg: i for i, pkg in enumerate(order)}
+    out = set()
+    for path in (root / "runtime").rglob("*.py"):
+        parts = path.relative_to(root / "runtime").parts
+        # runtime/__main__.py is the entry point, above every package; a package missing from
+        # the table is the other test's failure.
+        if len(parts) < 2 or parts[0] not in rank:
+            continue
+        module = _module_name(path, root)
+        for name in _imports(path, module):
+            pkg = name.split(".")[1] if name.startswith("runtime.") else None
+            if pkg in rank and rank[pkg] < rank[parts[0]]:
+                out.add((module, pkg))
+    return out
+
+
+def test_the_readme_lists_every_runtime_package_once() -> None:
+    order = runtime_order()
+    packages = {p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").is_file()}
+    assert len(order) == len(set(order)) and set(order) == packages, (order, sorted(packages))
+
+
+def test_runtime_imports_point_down_the_readme_order() -> None:
+    found = upward_imports(runtime_order())
+    new = sorted(found - KNOWN_UPWARD)
+    assert not new, "imports up the README's runtime package order: " + ", ".join(
+        f"{module} imports runtime.{pkg}" for module, pkg in new
+    )
+    stale = sorted(KNOWN_UPWARD - found)
+    assert not stale, f"these imports are gone; remove them from KNOWN_UPWARD: {stale}"
+
+
+def test_upward_imports_finds_one(tmp_path: Path) -> None:
+    for name, text in {"top/a.py": "from runtime.low import b\n", "low/b.py": "import runtime.top.a\n",
+                       "top/__init__.py": "", "low/__init__.py": ""}.items():  # fmt: skip
+        (tmp_path / "runtime" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "runtime" / name).write_text(text)
+    assert upward_imports(["top", "low"], tmp_path) == {("runtime.low.b", "top")}

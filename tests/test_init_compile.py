@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jobspec.run_config import MeshConfig, ModelConfig
+from jobspec.families.model_config import ModelConfig
+from jobspec.run_config import MeshConfig
 from runtime.model.build import build_model
 from runtime.model.layers import stack_layers
 from runtime.model.registry import build_model_module

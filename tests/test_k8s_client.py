@@ -26,10 +26,10 @@ client = pytest.importorskip(
 )
 
 from jobspec.load_job import load_job, run_with_id  # noqa: E402
-from k8s.backend import K8sBackend  # noqa: E402
-from k8s.client import K8sError  # noqa: E402
-from k8s.render import render_manifests  # noqa: E402
 from launch.backend import Handle, Submission  # noqa: E402
+from launch.backends.k8s.backend import K8sBackend  # noqa: E402
+from launch.backends.k8s.client import K8sError  # noqa: E402
+from launch.backends.k8s.render import render_manifests  # noqa: E402
 
 SPECS = Path(__file__).resolve().parent / "k8s_specs"
 NS, JS = "ml", "llm-v5e-abc123"

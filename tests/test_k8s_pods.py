@@ -22,9 +22,9 @@ from multihost import free_port
 
 from jobspec.job_spec import check_mesh_fits
 from jobspec.load_job import load_job, run_with_id
-from k8s.backend import saved_logs
-from k8s.render import CONFIG_DIR, coordinator_host, render_manifests
 from launch.backend import Submission
+from launch.backends.k8s.backend import saved_logs
+from launch.backends.k8s.render import CONFIG_DIR, coordinator_host, render_manifests
 
 from runs import tiny_config, write_config
 

@@ -23,8 +23,9 @@ from jobspec.errors import ConfigError
 from jobspec.exit_codes import is_restartable
 from jobspec.job_spec import JobSpec
 from jobspec.load_job import load_job, run_with_id
-from k8s.backend import K8sBackend
-from k8s.render import (
+from launch.backend import Submission
+from launch.backends.k8s.backend import K8sBackend
+from launch.backends.k8s.render import (
     JOBSET_API_VERSION,
     Manifests,
     check_names,
@@ -32,7 +33,6 @@ from k8s.render import (
     render_manifests,
     to_yaml,
 )
-from launch.backend import Submission
 
 HERE = Path(__file__).resolve().parent
 SPECS = HERE / "k8s_specs"
@@ -440,7 +440,8 @@ def test_image_is_required():
 
 
 def test_k8s_modules_never_import_jax():
-    code = ("import sys, k8s.render, k8s.client, k8s.backend; "
+    code = ("import sys, launch.backends.k8s.render, launch.backends.k8s.client, "
+            "launch.backends.k8s.backend; "
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')]; "
             "assert not bad, bad")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE.parent)

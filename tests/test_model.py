@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jobspec.run_config import ModelConfig
-from runtime.model.qwen3 import LOGICAL_AXES, Decoder, param_count
+from jobspec.families.model_config import ModelConfig
+from runtime.model.layers import LOGICAL_AXES
+from runtime.model.qwen3.counts import param_count
+from runtime.model.qwen3.decoder import Decoder
 
 TINY: dict[str, Any] = dict(
     vocab_size=97,

@@ -13,10 +13,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jobspec.run_config import ModelConfig
+from jobspec.families.model_config import ModelConfig
 from runtime.model.flops import flops_per_token, parameter_counts
+from runtime.model.layers import LOGICAL_AXES
 from runtime.model.moe import RouterBias, SparseMoE, update_router_bias
-from runtime.model.qwen3 import LOGICAL_AXES
 from runtime.model.registry import build_model_module
 from runtime.model.sharding import LOGICAL_RULES
 from runtime.train.state import TrainState
@@ -344,7 +344,8 @@ def test_dense_has_no_load_metric_and_keeps_its_empty_model_state() -> None:
 
 
 def test_a_qwen3_moe_model_table_needs_the_moe_keys_to_skip_the_hf_lookup() -> None:
-    from jobspec.hf_config import HF_KEYS, HF_MOE_KEYS, fills_nothing
+    from jobspec.families.hf import HF_MOE_KEYS
+    from jobspec.hf_config import HF_KEYS, fills_nothing
 
     dense = moe_cfg(family="qwen3", num_experts=None, num_experts_per_tok=None,
                     moe_intermediate_size=None).model_dump()  # fmt: skip

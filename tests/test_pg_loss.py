@@ -11,7 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from jobspec.run_config import MeshConfig, ModelConfig
+from jobspec.families.model_config import ModelConfig
+from jobspec.run_config import MeshConfig
 from runtime.commands.cli import main
 from runtime.model.build import build_model
 from runtime.model.sharding import build_mesh

@@ -20,8 +20,8 @@ from pydantic import ValidationError
 from jobspec.errors import ConfigError
 from jobspec.job_spec import JobSpec
 from jobspec.load_job import load_job, run_with_id
-from k8s.render import render_manifests
 from launch.backend import Submission
+from launch.backends.k8s.render import render_manifests
 
 SPECS = Path(__file__).resolve().parent / "k8s_specs"
 CASES = ("cpu-2", "gpu-h100x2", "tpu-v5e-16", "tpu-v5p-64x2")

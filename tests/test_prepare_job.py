@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from jobspec.prepare_job import PrepareJobConfig
-from k8s.render import CONFIG_DIR, CONFIG_FILE, render_manifests
 from launch import cli as launch_cli
+from launch.backends.k8s.render import CONFIG_DIR, CONFIG_FILE, render_manifests
 from launch.registry import Registry
 
 from runs import ROOT, write_text_corpus

@@ -21,15 +21,11 @@ from flax import nnx  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.run_config import MeshConfig  # noqa: E402
-from runtime.hf.convert import (  # noqa: E402
-    flat_params,
-    hf_from_params,
-    model_config_from_hf,
-    write_hf,
-)
+from runtime.hf.convert import flat_params, model_config_from_hf  # noqa: E402
 from runtime.hf.files import read_safetensors  # noqa: E402
 from runtime.model.build import build_model  # noqa: E402
 from runtime.model.flops import flops_per_token, parameter_counts  # noqa: E402
+from runtime.model.hf_weights import hf_from_params, write_hf  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 
 #: fp32 parity bound (the issue's); observed differences are ~1e-7.
@@ -153,8 +149,8 @@ def test_logit_parity_and_exact_round_trip(tmp_path, built, case):
 def test_config_json_round_trip_and_counts(built):
     """The exported config.json imports back to the same model, and the parameter count is the
     model's and transformers' own; FLOPs: full layers count T keys, DeltaNet layers no T."""
+    from jobspec.families.model_config import ModelConfig
     from jobspec.hf_config import hf_config_from_model, model_fields_from_hf
-    from jobspec.run_config import ModelConfig
 
     for case in ("default-moe", "mixed-dense"):
         config = transformers.Qwen3NextConfig(**{**BASE, **CASES[case]})

@@ -11,8 +11,9 @@ import pytest
 from jobspec.errors import JaxjobError
 from launch.backend import Handle, tail_lines
 from launch.backends.local import LocalBackend
-from launch.registry import Registry, RunRecord, state_root, write_json_atomic
+from launch.registry import Registry, RunRecord
 from launch.runid import is_run_id, new_run_id
+from launch.state import state_root, write_json_atomic
 
 
 def rec(run_id: str, submitted: str, backend: str = "local", **handle) -> RunRecord:

@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 from jobspec.errors import ConfigError
-from jobspec.run_config import ModelConfig
+from jobspec.families.model_config import ModelConfig
 from runtime.model.generate import _generate_jit, generate
-from runtime.model.qwen3 import Decoder, KVCache
+from runtime.model.qwen3.decoder import Decoder, KVCache
 
 TINY: dict[str, Any] = dict(
     vocab_size=97,

@@ -20,9 +20,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jobspec.run_config import ModelConfig
-from runtime.hf.convert import flat_params, hf_from_params, params_from_hf
+from jobspec.families.model_config import ModelConfig
+from runtime.hf.convert import flat_params
 from runtime.model.generate import generate
+from runtime.model.hf_weights import hf_from_params, params_from_hf
 from runtime.model.registry import build_model_module
 from runtime.train.state import TrainState, model_state_from_meta, model_state_record
 from runtime.train.step import make_train_step

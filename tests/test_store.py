@@ -217,7 +217,7 @@ def test_gs_jsonl_is_appended_in_bounded_parts(gs_run_uri: str, capsys) -> None:
 def test_gs_host_log_is_uploaded_in_parts_and_read_in_order(gcs_bucket, monkeypatch) -> None:
     import runtime.host.hostlog as hostlog
     from jobspec.storage import list_parts
-    from k8s.backend import saved_logs
+    from launch.backends.k8s.backend import saved_logs
 
     monkeypatch.setattr(hostlog, "PART_BYTES", 100)
     root = f"{gcs_bucket}/logs-{os.getpid()}-{id(monkeypatch)}"

@@ -12,13 +12,14 @@ import optax
 import pytest
 from flax import nnx
 
+from jobspec.families.model_config import ModelConfig
 from jobspec.load import parse_run_config
-from jobspec.run_config import MeshConfig, ModelConfig
+from jobspec.run_config import MeshConfig
 from runtime.commands.offline import eval_checkpoint, restore_checkpoint, sample_checkpoint
 from runtime.data.loader import TokenBatches
 from runtime.data.manifest import load_manifest
 from runtime.model.build import build_model
-from runtime.model.qwen3 import Decoder
+from runtime.model.qwen3.decoder import Decoder
 from runtime.model.sharding import batch_sharding, build_mesh
 from runtime.train.loop import train
 from runtime.train.loss import cross_entropy_sums

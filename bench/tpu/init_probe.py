@@ -48,8 +48,8 @@ def timed(label: str, fn: Callable[[], Any]) -> Any:
 
 def _use_per_layer_init() -> None:
     """Build scanned layers one by one and stack them, as before `layers.build_stacked`."""
-    from runtime.model import qwen3
     from runtime.model.layers import stack_layers
+    from runtime.model.qwen3 import decoder as qwen3
 
     def per_layer(make: Any, rngs: nnx.Rngs, num: int, *, eager_sharding: bool = False) -> Any:
         return stack_layers([make(rngs) for _ in range(num)], eager_sharding=eager_sharding)

@@ -7,8 +7,9 @@ import sys
 from typing import Any
 
 from jobspec.errors import CheckpointError
+from jobspec.run_dir import CHECKPOINTS as CKPT_DIR
 from jobspec.run_store import ArtifactStore
-from runtime.run.checkpoint import CKPT_DIR, CheckpointService
+from runtime.run.checkpoint import CheckpointService
 from runtime.run.inspect import open_run
 
 MIB = 1024 * 1024
@@ -52,8 +53,8 @@ def verify_checkpoints(run: str) -> dict[str, Any]:
 def rollback(run: str, step: int) -> dict[str, Any]:
     """Discard the checkpoints after `step` so that the next resume (`runtime local --resume`,
     or a launched job's auto-resume) continues from it; `step` itself is read first."""
+    from jobspec.run_dir import EVENTS, now
     from runtime.run import owner
-    from runtime.run.artifacts import EVENTS, now
 
     store = open_run(run)  # a run directory, before anything (even a claim) is written there
     run_id = store.read_json("manifest.json").get("run_id") or store.root_uri.rsplit("/", 1)[-1]

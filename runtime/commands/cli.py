@@ -8,12 +8,16 @@ from __future__ import annotations
 import json
 import sys
 import tomllib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from jobspec.cli import run_group
 from jobspec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jobspec.run_config import RunConfig
+    from runtime.host.boot import BootContract, BootInfo
 
 
 def _print_json(obj: Any) -> None:
@@ -186,25 +190,46 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
         from runtime.commands.prepare_job import run_host
 
         sys.exit(run_host(config, _overrides(sets)))
-    contract = boot.BootContract.from_env()
-    identity = []
-    if contract.run_id:
-        identity.append(f"run.id={json.dumps(contract.run_id)}")
-    if contract.output_uri:
-        identity.append(f"run.output_uri={json.dumps(contract.output_uri)}")
-    cfg, source = _load(config, (*sets, *identity))
+    cfg, source = _load(config, (*sets, *_identity_sets(boot.BootContract.from_env())))
     info = boot.boot(
         timeout_s=cfg.runtime.boot_timeout_s,
         # JAX's own abort must come after our watchdog's clearer exit.
         heartbeat_timeout_s=cfg.runtime.host_loss_timeout_s + 30,
     )
+    writer_index = writer.elect_writer(
+        info.attempt, run_id=cfg.run.id, timeout_s=cfg.runtime.boot_timeout_s
+    )
+    _claim_run_and_tee_logs(cfg, info, writer_index)
+    from runtime.train.loop import train
+
+    click.echo(
+        f"host {info.process_index} of {info.process_count} ({info.mode}, attempt {info.attempt}, "
+        f"{info.local_device_count} local / {info.global_device_count} devices); writer is host {writer_index}"
+    )
+    result = train(
+        cfg, source, resume="auto", max_steps=max_steps, writer_index=writer_index, reshard=reshard
+    )
+    boot.shutdown()
+    sys.exit(result.exit_code)
+
+
+def _identity_sets(contract: BootContract) -> tuple[str, ...]:
+    """The `--set`s that give the run the id and output the backend set (JAXJOB_RUN_ID,
+    JAXJOB_OUTPUT_URI), over the config's own."""
+    identity = []
+    if contract.run_id:
+        identity.append(f"run.id={json.dumps(contract.run_id)}")
+    if contract.output_uri:
+        identity.append(f"run.output_uri={json.dumps(contract.output_uri)}")
+    return tuple(identity)
+
+
+def _claim_run_and_tee_logs(cfg: RunConfig, info: BootInfo, writer_index: int) -> None:
+    """Claim the run for this job, then copy this host's output into the run's storage."""
     from jobspec.storage import RetryPolicy, join
     from runtime.host.hostlog import HostLogTee, log_uri
     from runtime.run import owner
 
-    writer_index = writer.elect_writer(
-        info.attempt, run_id=cfg.run.id, timeout_s=cfg.runtime.boot_timeout_s
-    )
     # Before the host logs go into the run: a job refused as a second owner writes nothing there.
     run_root = join(cfg.run.output_uri, cfg.run.id)
     owner.claim_run(
@@ -218,17 +243,6 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
     # Logs that outlive pods: every host's output goes to the run's own storage too.
     # (an unwritable output was said by the claim already; the log itself never fails a host)
     HostLogTee(log_uri(run_root, info.attempt, info.process_index)).start()
-    from runtime.train.loop import train
-
-    click.echo(
-        f"host {info.process_index} of {info.process_count} ({info.mode}, attempt {info.attempt}, "
-        f"{info.local_device_count} local / {info.global_device_count} devices); writer is host {writer_index}"
-    )
-    result = train(
-        cfg, source, resume="auto", max_steps=max_steps, writer_index=writer_index, reshard=reshard
-    )
-    boot.shutdown()
-    sys.exit(result.exit_code)
 
 
 @cli.group("config")

@@ -13,16 +13,18 @@ from jobspec.errors import ConfigError, JaxjobError
 from jobspec.hf_config import hf_dir
 from jobspec.load import parse_run_config, read_toml, resolved_dict, to_toml
 from jobspec.run_config import RunConfig
+from jobspec.run_dir import now
 from jobspec.run_store import ArtifactStore
 from runtime.commands.offline import restore_checkpoint
 from runtime.data.loader import train_batches
 from runtime.data.manifest import Manifest
 from runtime.data.mixture import Mixture, open_data
-from runtime.hf.convert import model_config_from_hf, write_hf
+from runtime.hf.convert import model_config_from_hf
 from runtime.hf.files import DEFAULT_MAX_SHARD_BYTES
 from runtime.model.build import build_model
+from runtime.model.hf_weights import write_hf
 from runtime.model.sharding import offline_mesh
-from runtime.run.artifacts import now, package_versions
+from runtime.run.artifacts import package_versions
 from runtime.run.checkpoint import CheckpointService, load_index
 from runtime.run.compat import run_fingerprint
 from runtime.run.meta import CheckpointMeta, run_manifest

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.load import parse_run_config
 from jobspec.run_config import EvalConfig, RunConfig
+from jobspec.run_dir import now
 from jobspec.run_store import ArtifactStore
 from runtime.data.manifest import load_manifest
 from runtime.data.mixture import open_data
@@ -21,7 +22,6 @@ from runtime.data.tokenizer import load_tokenizer
 from runtime.model.build import ModelParts, build_model
 from runtime.model.generate import generate
 from runtime.model.sharding import offline_mesh, replicated
-from runtime.run.artifacts import now
 from runtime.run.checkpoint import CheckpointService
 from runtime.run.inspect import open_run
 from runtime.train.evaluate import Evaluator

@@ -41,14 +41,15 @@ def _dispatch(d: dict) -> str:
     return f"{d['kind']}{cf}: {exchange} + {d['matmul']} over {d['expert_shards']} expert shard(s)"
 
 
-def render(report: dict) -> str:
-    t, m = report["target"], report["memory"]
-    lines = [
+def _setup_lines(report: dict) -> list[str]:
+    """What was compiled: target, mesh, MoE dispatch, compile time."""
+    t, mesh = report["target"], report["mesh"]
+    return [
         f"target      {t['accelerator']} x {t['hosts']} host(s) x {t['slices']} slice(s) = "
         f"{t['devices']} x {report['device_kind']} ({t['topology']})",
-        f"mesh        slices={report['mesh']['slices']} data={report['mesh']['data']} "
-        f"expert={report['mesh']['expert']} fsdp={report['mesh']['fsdp']} "
-        f"tensor={report['mesh']['tensor']}",
+        f"mesh        slices={mesh['slices']} data={mesh['data']} "
+        f"expert={mesh['expert']} fsdp={mesh['fsdp']} "
+        f"tensor={mesh['tensor']}",
         *(
             [f"moe         {_dispatch(report['moe_dispatch'])}"]
             if report.get("moe_dispatch")
@@ -57,17 +58,21 @@ def render(report: dict) -> str:
         f"compile     {report['compile_seconds']:.1f} s"
         + ("" if report["compiled"] else " (failed: out of memory)"),
     ]
+
+
+def _memory_lines(m: dict, compiled: bool) -> list[str]:
+    """Peak against HBM, its parts per chip (or the compiler's message), the largest buffers."""
     fits = {True: "fits", False: "DOES NOT FIT", None: "no HBM figure"}[m["fits"]]
     head = "" if m["headroom"] is None else f", headroom {m['headroom']:.1%}"
-    lines.append(
+    lines = [
         f"memory      peak {_gib(m['peak_bytes'])} of {_gib(m['hbm_bytes'])}: {fits}{head}"
         + (
             f" (XLA's live peak; the totals add up to {_gib(m['bound_bytes'])})"
             if m.get("peak_source") == "xla" and m.get("bound_bytes") != m["peak_bytes"]
             else ""
         )
-    )
-    if report["compiled"]:
+    ]
+    if compiled:
         a = m["arguments"]
         lines += [
             "  per chip  "
@@ -89,30 +94,40 @@ def render(report: dict) -> str:
         lines.append("  largest buffers")
         for b in m["largest_buffers"][:5]:
             lines.append(f"    {_gib(b['bytes']):>12}  {b['shape']}  {b['name']}")
+    return lines
+
+
+def _work_lines(report: dict) -> list[str]:
+    """What a compiled step does per chip: FLOPs, the predicted step time, collectives."""
     f = report["flops"]
-    if "compiled" in f:
+    lines = [
+        f"FLOPs/chip  compiled {_flops(f['compiled']['per_chip'])}, analytic "
+        f"{_flops(f['analytic']['per_chip'])} (ratio {f['compiled_over_analytic']})"
+        + (f", {f['seconds_at_peak'] * 1e3:.2f} ms at peak" if f["seconds_at_peak"] else "")
+    ]
+    st = report.get("step_time")
+    if st:
+        sec = st["seconds"]
         lines.append(
-            f"FLOPs/chip  compiled {_flops(f['compiled']['per_chip'])}, analytic "
-            f"{_flops(f['analytic']['per_chip'])} (ratio {f['compiled_over_analytic']})"
-            + (f", {f['seconds_at_peak'] * 1e3:.2f} ms at peak" if f["seconds_at_peak"] else "")
+            f"step time   ~{st['step_seconds']:.3f} s predicted, "
+            f"{st.get('tokens_per_s_per_chip', 0):,} tokens/s per chip ({st['bound']}-bound: "
+            f"compute {sec['compute']:.3f} s, memory {sec['memory']:.3f} s, "
+            f"communication {sec['communication']:.3f} s; a roofline estimate)"
         )
-        st = report.get("step_time")
-        if st:
-            sec = st["seconds"]
-            lines.append(
-                f"step time   ~{st['step_seconds']:.3f} s predicted, "
-                f"{st.get('tokens_per_s_per_chip', 0):,} tokens/s per chip ({st['bound']}-bound: "
-                f"compute {sec['compute']:.3f} s, memory {sec['memory']:.3f} s, "
-                f"communication {sec['communication']:.3f} s; a roofline estimate)"
-            )
-        c = report["collectives"]
-        kinds = ", ".join(
-            f"{k} {v['count']} ({_gib(v['bytes'])})" for k, v in c["by_kind"].items() if v["count"]
-        )
-        across = c["total"]["count"] - sum(v["count"] for v in c["within_slice"].values())
-        lines.append(
-            f"collectives {c['total']['count']}: {kinds or 'none'}; {across} across slices"
-        )
+    c = report["collectives"]
+    kinds = ", ".join(
+        f"{k} {v['count']} ({_gib(v['bytes'])})" for k, v in c["by_kind"].items() if v["count"]
+    )
+    across = c["total"]["count"] - sum(v["count"] for v in c["within_slice"].values())
+    lines.append(f"collectives {c['total']['count']}: {kinds or 'none'}; {across} across slices")
+    return lines
+
+
+def render(report: dict) -> str:
+    """The plan report as `runtime plan` prints it without --json."""
+    lines = _setup_lines(report) + _memory_lines(report["memory"], report["compiled"])
+    if "compiled" in report["flops"]:
+        lines += _work_lines(report)
     return "\n".join(lines)
 
 

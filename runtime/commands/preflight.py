@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -74,119 +75,119 @@ def _device_limit() -> int | None:
     return stats.get("bytes_limit")
 
 
-def preflight(cfg: RunConfig) -> dict[str, Any]:
-    checks: list[dict[str, Any]] = []
+def _checked(name: str, detail: Callable[..., str], *args: Any) -> dict[str, Any]:
+    """One check's row: ok with what `detail` says, or failed with the sentence it raised."""
+    try:
+        return {"name": name, "ok": True, "detail": detail(*args)}
+    except JaxjobError as e:
+        return {"name": name, "ok": False, "detail": str(e)}
 
-    def check(name: str, fn) -> Any:
-        try:
-            detail, value = fn()
-            checks.append({"name": name, "ok": True, "detail": detail})
-            return value
-        except JaxjobError as e:
-            checks.append({"name": name, "ok": False, "detail": str(e)})
-            return None
 
-    devices = jax.devices()
-    check(
-        "devices",
-        lambda: (
-            f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), "
-            f"{jax.process_count()} process(es)",
-            None,
-        ),
-    )
-    check(
-        "mesh",
-        lambda: (
-            f"slices={cfg.mesh.slices} data={cfg.mesh.data} expert={cfg.mesh.expert} "
-            f"fsdp={cfg.mesh.fsdp} "
-            f"tensor={cfg.mesh.tensor} fits "
-            f"{len(build_mesh(cfg.mesh).devices.flat)} devices",
-            None,
-        ),
+def _devices_detail(devices: list) -> str:
+    return (
+        f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), "
+        f"{jax.process_count()} process(es)"
     )
 
-    def data():
-        if cfg.data.sources is not None:  # a mixture: every source exists and they fit together
-            mix = open_data(cfg.data)
-            check_for_run(mix, cfg.data, cfg.model.vocab_size, cfg.training)
-            shares = ", ".join(f"{d.name} {d.share:.0%}" for d in cfg.data.datasets)
-            return (
-                f"mixture of {shares}: {mix.split('train').tokens:,} train tokens, "
-                f"tokenizer {mix.tokenizer.id}",
-                None,
-            )
-        assert cfg.data.manifest is not None  # exactly one of manifest / sources
-        fs, path = url_to_fs(cfg.data.manifest)
-        if not fs.exists(path):
-            if cfg.data.prepare is None:
-                raise JaxjobError(
-                    f"data.manifest {cfg.data.manifest} does not exist and no [data.prepare] is set"
-                )
-            return (
-                f"{cfg.data.manifest} absent; will be prepared on first use from {cfg.data.prepare.inputs}",
-                None,
-            )
-        m = load_manifest(cfg.data.manifest)
-        check_for_run(m, cfg.data, cfg.model.vocab_size, cfg.training)
-        train = m.split("train")
+
+def _mesh_detail(cfg: RunConfig) -> str:
+    return (
+        f"slices={cfg.mesh.slices} data={cfg.mesh.data} expert={cfg.mesh.expert} "
+        f"fsdp={cfg.mesh.fsdp} "
+        f"tensor={cfg.mesh.tensor} fits "
+        f"{len(build_mesh(cfg.mesh).devices.flat)} devices"
+    )
+
+
+def _data_detail(cfg: RunConfig) -> str:
+    if cfg.data.sources is not None:  # a mixture: every source exists and they fit together
+        mix = open_data(cfg.data)
+        check_for_run(mix, cfg.data, cfg.model.vocab_size, cfg.training)
+        shares = ", ".join(f"{d.name} {d.share:.0%}" for d in cfg.data.datasets)
         return (
-            f"{cfg.data.manifest}: {train.tokens:,} train tokens, tokenizer {m.tokenizer.id}",
-            None,
+            f"mixture of {shares}: {mix.split('train').tokens:,} train tokens, "
+            f"tokenizer {mix.tokenizer.id}"
         )
+    assert cfg.data.manifest is not None  # exactly one of manifest / sources
+    fs, path = url_to_fs(cfg.data.manifest)
+    if not fs.exists(path):
+        if cfg.data.prepare is None:
+            raise JaxjobError(
+                f"data.manifest {cfg.data.manifest} does not exist and no [data.prepare] is set"
+            )
+        return f"{cfg.data.manifest} absent; will be prepared on first use from {cfg.data.prepare.inputs}"
+    m = load_manifest(cfg.data.manifest)
+    check_for_run(m, cfg.data, cfg.model.vocab_size, cfg.training)
+    train = m.split("train")
+    return f"{cfg.data.manifest}: {train.tokens:,} train tokens, tokenizer {m.tokenizer.id}"
 
-    check("data", data)
 
-    def evals():
-        from runtime.data.eval_rows import check_evals_of_config
+def _evals_detail(cfg: RunConfig) -> str:
+    from runtime.data.eval_rows import check_evals_of_config
 
-        if not cfg.evals:
-            return "none configured", None
-        small = check_evals_of_config(cfg)  # an eval whose split gives no row: FAIL
-        names = ", ".join(f"{e.name} ({e.split})" for e in cfg.evals)
-        if small is None:
-            return f"{names}: the data is not readable yet, checked again at the start", None
-        if small:
-            return f"{names} can run; warning: " + "; ".join(w["message"] for w in small), None
-        return f"{names} can run", None
+    if not cfg.evals:
+        return "none configured"
+    small = check_evals_of_config(cfg)  # an eval whose split gives no row: FAIL
+    names = ", ".join(f"{e.name} ({e.split})" for e in cfg.evals)
+    if small is None:
+        return f"{names}: the data is not readable yet, checked again at the start"
+    if small:
+        return f"{names} can run; warning: " + "; ".join(w["message"] for w in small)
+    return f"{names} can run"
 
-    check("evals", evals)
 
-    def output():
-        store = ArtifactStore(join(cfg.run.output_uri, cfg.run.id))
-        store.check_writable()
-        return f"{store.uri('')} writable", None
+def _output_detail(cfg: RunConfig) -> str:
+    store = ArtifactStore(join(cfg.run.output_uri, cfg.run.id))
+    store.check_writable()
+    return f"{store.uri('')} writable"
 
-    check("output", output)
 
-    def sinks():
-        from runtime.observe.sinks import sink_check
+def _sinks_detail(cfg: RunConfig) -> str:
+    from runtime.observe.sinks import sink_check
 
-        try:
-            return f"{sink_check(cfg.metrics) or 'none configured'}", None
-        except RuntimeError as e:
-            raise JaxjobError(str(e)) from None
+    try:
+        return f"{sink_check(cfg.metrics) or 'none configured'}"
+    except RuntimeError as e:
+        raise JaxjobError(str(e)) from None
 
-    check("metric sinks", sinks)
-    est = memory_estimate(cfg, len(devices))
-    limit = _device_limit()
+
+def _memory(
+    cfg: RunConfig, devices: list, est: dict[str, Any], limit: int | None
+) -> tuple[dict[str, Any], bool, str]:
+    """(memory report, whether it fits, what to say): compiled for these devices where the step
+    compiles here, else the estimate."""
     compiled = compiled_memory(cfg, devices, limit)
     if compiled is not None and compiled["source"] == "compiled":
-        mem, per_device = compiled, compiled["peak_bytes"]
+        per_device = compiled["peak_bytes"]
         detail = (
             f"{per_device / 2**30:.2f} GiB per device, compiled (params "
             f"{compiled['arguments']['parameters'] / 2**30:.2f}, optimizer "
             f"{compiled['arguments']['optimizer_state'] / 2**30:.2f}, temporaries "
             f"{compiled['temp_bytes'] / 2**30:.2f} GiB)"
         )
-        fits = compiled["fits"] is not False
-    elif compiled is not None:  # the compiler itself ran out of memory
-        mem, fits = compiled, False
-        detail = f"does not compile on these devices: {compiled['message']}"
-    else:
-        mem, per_device = {"source": "estimate", **est}, est["per_device_bytes"]
-        fits = limit is None or per_device < limit
-        detail = f"~{per_device / 2**30:.2f} GiB per device, estimated (the step did not compile)"
+        return compiled, compiled["fits"] is not False, detail
+    if compiled is not None:  # the compiler itself ran out of memory
+        return compiled, False, f"does not compile on these devices: {compiled['message']}"
+    per_device = est["per_device_bytes"]
+    fits = limit is None or per_device < limit
+    detail = f"~{per_device / 2**30:.2f} GiB per device, estimated (the step did not compile)"
+    return {"source": "estimate", **est}, fits, detail
+
+
+def preflight(cfg: RunConfig) -> dict[str, Any]:
+    """Every check's row (name, ok, detail), in order, and the step's memory per device."""
+    devices = jax.devices()
+    checks = [
+        _checked("devices", _devices_detail, devices),
+        _checked("mesh", _mesh_detail, cfg),
+        _checked("data", _data_detail, cfg),
+        _checked("evals", _evals_detail, cfg),
+        _checked("output", _output_detail, cfg),
+        _checked("metric sinks", _sinks_detail, cfg),
+    ]
+    est = memory_estimate(cfg, len(devices))
+    limit = _device_limit()
+    mem, fits, detail = _memory(cfg, devices, est, limit)
     checks.append(
         {
             "name": "memory",

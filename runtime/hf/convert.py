@@ -1,4 +1,5 @@
-"""Hugging Face safetensors <-> NNX parameters, bit-exact in both directions.
+"""Hugging Face safetensors <-> NNX parameters through a name map, bit-exact in both directions
+(a config's own map is its family's: runtime/model/hf_weights.py reads and writes by config).
 
 Import reads `config.json` plus `model.safetensors`, or the shards a `model.safetensors.index.json`
 lists, with `safetensors.numpy` (no torch). Export writes `config.json` and `model.safetensors`,
@@ -16,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from jobspec.errors import ConfigError
-from jobspec.hf_config import hf_config_from_model, model_fields_from_hf, read_hf_config
-from jobspec.run_config import ModelConfig
-from runtime.hf.files import DEFAULT_MAX_SHARD_BYTES, read_safetensors, write_safetensors
-from runtime.model.registry import spec_for
+from jobspec.families.model_config import ModelConfig
+from jobspec.hf_config import model_fields_from_hf, read_hf_config
+from runtime.hf.files import read_safetensors
+from runtime.hf.names import Entry
 
 Path_ = tuple[str | int, ...]
 
@@ -35,21 +36,13 @@ def model_config_from_hf(path: str | Path, **overrides: Any) -> ModelConfig:
     return ModelConfig(**merged)
 
 
-def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[Path_, np.ndarray]:
-    """Our parameters (flat: NNX path -> array) from an HF state dict."""
-    spec = spec_for(cfg)
-    table = spec.hf_names(cfg)
-    known = {e.name for e in table} | spec.hf_ignored(cfg)
-    if cfg.tie_word_embeddings:
-        known.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
-    extra = sorted(n for n in set(tensors) - known if not n.startswith(spec.hf_ignored_prefixes))
-    if extra:
-        raise ConfigError(
-            f"HF checkpoint has tensors jaxjob does not map, e.g. {extra[0]!r} ({len(extra)} in all)"
-        )
+def params_from_tensors(
+    entries: list[Entry], tensors: dict[str, np.ndarray]
+) -> dict[Path_, np.ndarray]:
+    """Our parameters (flat: NNX path -> array) from an HF state dict, by the name map `entries`."""
     out: dict[Path_, np.ndarray] = {}
     stacks: dict[Path_, dict[tuple[int, ...], np.ndarray]] = {}
-    for e in table:
+    for e in entries:
         if e.name not in tensors:
             raise ConfigError(f"HF checkpoint lacks tensor {e.name!r}")
         a = tensors[e.name]
@@ -80,10 +73,10 @@ def _stack(path: Path_, parts: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
     return out
 
 
-def hf_from_params(cfg: ModelConfig, flat: dict[Path_, Any]) -> dict[str, np.ndarray]:
-    """An HF state dict from our flat parameters (NNX path -> array-like)."""
+def tensors_from_params(entries: list[Entry], flat: dict[Path_, Any]) -> dict[str, np.ndarray]:
+    """An HF state dict from our flat parameters (NNX path -> array-like), by the name map."""
     out: dict[str, np.ndarray] = {}
-    for e in spec_for(cfg).hf_names(cfg):
+    for e in entries:
         a = np.asarray(flat[e.path])
         if e.index:
             a = a[e.index]
@@ -119,10 +112,9 @@ def text_model_tensors(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.nda
     return out, sorted(left)
 
 
-def load_hf_params(path: str | Path, cfg: ModelConfig) -> dict[Path_, np.ndarray]:
-    """Flat parameters for `cfg` from the HF dir at `path`. A multimodal Gemma 4 checkpoint
-    (tensors under `model.language_model.*`) gives its text model; a note on stderr says what
-    was left out."""
+def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
+    """The HF dir's tensors. A multimodal Gemma 4 checkpoint (tensors under
+    `model.language_model.*`) gives its text model; a note on stderr says what was left out."""
     tensors = read_safetensors(path)
     if any(n.startswith("model.language_model.") for n in tensors):
         tensors, left = text_model_tensors(tensors)
@@ -133,13 +125,7 @@ def load_hf_params(path: str | Path, cfg: ModelConfig) -> dict[Path_, np.ndarray
                 f"left out {len(left)} tensors of {', '.join(groups)}",
                 file=sys.stderr,
             )
-    return params_from_hf(cfg, tensors)
-
-
-def _host(x: Any) -> np.ndarray:
-    import jax
-
-    return np.asarray(jax.device_get(x))
+    return tensors
 
 
 def place_params(flat: dict[Path_, np.ndarray], abstract_params: Any, shardings: Any) -> Any:
@@ -174,19 +160,3 @@ def place_params(flat: dict[Path_, np.ndarray], abstract_params: Any, shardings:
 
 def _fmt(path: Path_) -> str:
     return ".".join(str(p) for p in path)
-
-
-# ---- run directories ------------------------------------------------------------------------
-
-
-def write_hf(
-    cfg: ModelConfig,
-    params: Any,
-    out_dir: str | Path,
-    *,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> list[str]:
-    """config.json + safetensors for `params` (nnx.State or pure nested dict); the file names."""
-    tensors = hf_from_params(cfg, {k: _host(v) for k, v in flat_params(params).items()})
-    hf_cfg = hf_config_from_model(cfg.model_dump())
-    return write_safetensors(tensors, hf_cfg, out_dir, max_shard_bytes=max_shard_bytes)

@@ -355,6 +355,76 @@ def _initialize(kwargs: dict[str, Any], *, timeout_s: int, guard_message: str) -
     _state.initialized = True
 
 
+def _join_by_contract(
+    contract: BootContract, *, timeout_s: int, heartbeat_timeout_s: int, started: float
+) -> None:
+    """Initialize with the contract's coordinator, process count and id."""
+    assert contract.coordinator and contract.num_processes and contract.process_id is not None
+    n, i, coord = contract.num_processes, contract.process_id, contract.coordinator
+    if i != 0:
+        _probe_coordinator(coord, timeout_s)
+    elapsed = time.monotonic() - started
+    _initialize(
+        {
+            "coordinator_address": coord,
+            "num_processes": n,
+            "process_id": i,
+            "heartbeat_timeout_seconds": _jax_heartbeat_timeout_s(heartbeat_timeout_s),
+            # Else JAX's SLURM/OMPI detection still fills local_device_ids (one GPU per
+            # process, [SLURM_LOCALID]) although we gave everything else.
+            "cluster_detection_method": "deactivate",
+        },
+        timeout_s=max(1, round(timeout_s - elapsed)),
+        guard_message=(
+            f"the cluster of {n} processes did not form within {timeout_s} s: process {i} "
+            f"{'started' if i == 0 else 'reached'} the coordinator at {coord} but not all "
+            f"{n} processes joined; check that every process started with "
+            f"JAXJOB_NUM_PROCESSES={n} and can reach {coord}"
+        ),
+    )
+
+
+def _join_detected(cluster: str, *, timeout_s: int, heartbeat_timeout_s: int) -> None:
+    """Initialize with the parameters JAX's detector for `cluster` derives."""
+    _initialize(
+        {
+            "cluster_detection_method": cluster,
+            "heartbeat_timeout_seconds": _jax_heartbeat_timeout_s(heartbeat_timeout_s),
+        },
+        timeout_s=timeout_s,
+        guard_message=(
+            f"the {cluster} cluster did not form within {timeout_s} s; check that every "
+            "task of the job started and can reach the first host"
+        ),
+    )
+
+
+def _boot_info(
+    contract: BootContract, mode: str, collectives: str | None, started: float
+) -> BootInfo:
+    """What JAX says about this process once it has joined (or not joined) a cluster."""
+    import jax
+    from jax._src import distributed
+
+    local = jax.local_devices()
+    return BootInfo(
+        mode=mode,
+        run_id=contract.run_id,
+        attempt=contract.attempt,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        coordinator=distributed.global_state.coordinator_address if _state.initialized else None,
+        platform=jax.default_backend(),
+        local_devices=[str(d) for d in local],
+        local_device_count=len(local),
+        global_device_count=jax.device_count(),
+        output_uri=contract.output_uri,
+        submission_id=contract.submission_id,
+        cpu_collectives=collectives,
+        boot_seconds=round(time.monotonic() - started, 3),
+    )
+
+
 def boot(
     *, timeout_s: int, heartbeat_timeout_s: int, env: Mapping[str, str] | None = None
 ) -> BootInfo:
@@ -383,67 +453,17 @@ def boot(
         collectives = "gloo"
 
     if contract.distributed:
-        assert contract.coordinator and contract.num_processes and contract.process_id is not None
         mode = "contract"
-        n, i, coord = contract.num_processes, contract.process_id, contract.coordinator
-        if i != 0:
-            _probe_coordinator(coord, timeout_s)
-        elapsed = time.monotonic() - started
-        _initialize(
-            {
-                "coordinator_address": coord,
-                "num_processes": n,
-                "process_id": i,
-                "heartbeat_timeout_seconds": _jax_heartbeat_timeout_s(heartbeat_timeout_s),
-                # Else JAX's SLURM/OMPI detection still fills local_device_ids (one GPU per
-                # process, [SLURM_LOCALID]) although we gave everything else.
-                "cluster_detection_method": "deactivate",
-            },
-            timeout_s=max(1, round(timeout_s - elapsed)),
-            guard_message=(
-                f"the cluster of {n} processes did not form within {timeout_s} s: process {i} "
-                f"{'started' if i == 0 else 'reached'} the coordinator at {coord} but not all "
-                f"{n} processes joined; check that every process started with "
-                f"JAXJOB_NUM_PROCESSES={n} and can reach {coord}"
-            ),
+        _join_by_contract(
+            contract, timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s, started=started
         )
     elif cluster:
         mode = f"auto:{cluster}"
-        _initialize(
-            {
-                "cluster_detection_method": cluster,
-                "heartbeat_timeout_seconds": _jax_heartbeat_timeout_s(heartbeat_timeout_s),
-            },
-            timeout_s=timeout_s,
-            guard_message=(
-                f"the {cluster} cluster did not form within {timeout_s} s; check that every "
-                "task of the job started and can reach the first host"
-            ),
-        )
+        _join_detected(cluster, timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
     else:
         mode = "single-process"
-
-    from jax._src import distributed
-
-    local = jax.local_devices()
-    info = BootInfo(
-        mode=mode,
-        run_id=contract.run_id,
-        attempt=contract.attempt,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        coordinator=distributed.global_state.coordinator_address if _state.initialized else None,
-        platform=jax.default_backend(),
-        local_devices=[str(d) for d in local],
-        local_device_count=len(local),
-        global_device_count=jax.device_count(),
-        output_uri=contract.output_uri,
-        submission_id=contract.submission_id,
-        cpu_collectives=collectives,
-        boot_seconds=round(time.monotonic() - started, 3),
-    )
-    _state.info = info
-    return info
+    _state.info = _boot_info(contract, mode, collectives, started)
+    return _state.info
 
 
 def shutdown() -> None:

@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jobspec.run_config import ModelConfig
+from jobspec.families.model_config import ModelConfig
 from runtime.model.registry import build_model_module
 from runtime.model.sharding import mesh_spec, replicated
 
@@ -69,7 +69,8 @@ def build_model(
     if materialise and cfg.init_from:
         # `model.init_from = "hf:PATH"`: the HF weights are the initial parameters.
         from jobspec.hf_config import hf_dir
-        from runtime.hf.convert import load_hf_params, place_params
+        from runtime.hf.convert import place_params
+        from runtime.model.hf_weights import load_hf_params
 
         flat = load_hf_params(hf_dir(cfg.init_from), cfg)
         params = place_params(flat, abs_params, p_sh)

@@ -17,7 +17,7 @@ work.
 
 from __future__ import annotations
 
-from jobspec.run_config import ModelConfig
+from jobspec.families.model_config import ModelConfig
 from runtime.model.registry import spec_for
 
 

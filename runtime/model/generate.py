@@ -19,7 +19,7 @@ from flax import nnx
 from jax import lax
 
 from jobspec.errors import ConfigError
-from runtime.model.qwen3 import Decoder
+from runtime.model.registry import Decoder
 
 
 def _pick(

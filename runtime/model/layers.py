@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jobspec.run_config import ModelConfig
+from jobspec.families.model_config import ModelConfig
 from runtime.model.sharding import constrain
 
 #: Logical names of the activations model code pins with `constrain` (one per dimension): the
@@ -31,6 +31,18 @@ ACT_ROPE = ("batch", "length", None)
 
 #: The logical name of the leading axis of parameters stacked by `stack_layers`.
 LAYERS_AXIS = "layers"
+
+#: Every logical axis name a parameter may carry.
+LOGICAL_AXES: tuple[str, ...] = (
+    "vocab",
+    "embed",
+    "heads",
+    "kv_heads",
+    "mlp",
+    "norm",
+    "expert",
+    LAYERS_AXIS,
+)
 
 _DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

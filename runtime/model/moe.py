@@ -18,7 +18,7 @@ With a zero router bias the choice is top-k of probs, exactly HF. Two dispatches
   grouped matmuls, returned and combined); dropless, or with a capacity factor that drops and
   counts the overflow. What large MoE models need.
 
-Parameter paths inside `layers[i]` of `runtime.model.qwen3.Decoder`:
+Parameter paths inside `layers[i]` of `runtime.model.qwen3.decoder.Decoder`:
 
     mlp.gate.kernel            [hidden, num_experts]            ("embed", "expert")
     mlp.experts.gate_proj      [E, hidden, moe_intermediate]    ("expert", "embed", "mlp")
@@ -32,7 +32,7 @@ With `model.scan_layers` every one of these gains a leading [num_layers] axis (l
 `layers.mlp.router_bias` [L, E]; the loads come back stacked [L, E] from the scan either way.
 
 The HF names these map to (saved checkpoints keep one `mlp.experts.{e}.*_proj.weight` per
-expert; kernels transpose) are the name map in `runtime/hf/names.py`.
+expert; kernels transpose) are the name map in `runtime/model/qwen3_moe/hf_names.py`.
 
 Aux-loss-free balancing (DeepSeek-V3): the train step moves each layer's bias by
 rate * sign(mean_load - load) after the gradient step (`update_router_bias`), so an under-loaded
@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jobspec.run_config import ModelConfig
+from jobspec.families.model_config import ModelConfig
 from runtime.model import moe_dispatch
 from runtime.model.layers import (
     ACT_EMBED,

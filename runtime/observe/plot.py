@@ -13,9 +13,9 @@ import os
 from typing import Any, Literal
 
 from jobspec.errors import StorageError
+from jobspec.run_dir import EVAL_METRICS, EVENTS, MANIFEST, TRAIN_METRICS, EventKind
 from jobspec.run_store import ArtifactStore
 from jobspec.storage import is_remote, url_to_fs
-from runtime.run.artifacts import EVAL_METRICS, EVENTS, TRAIN_METRICS
 from runtime.run.inspect import open_run
 
 Axis = Literal["step", "tokens"]
@@ -31,7 +31,7 @@ def _rows(store: ArtifactStore, rel: str) -> list[dict]:
 def run_series(run: str, x: Axis = "step") -> dict[str, Any]:
     """The curves of one run directory (local or gs://), x in steps or training tokens."""
     store = open_run(run)
-    manifest = store.read_json("manifest.json")
+    manifest = store.read_json(MANIFEST)
     train = _rows(store, TRAIN_METRICS)
     # Eval rows and events carry the step only: tokens are step x tokens_per_step.
     per_step = manifest.get("tokens_per_step") or (
@@ -60,7 +60,9 @@ def run_series(run: str, x: Axis = "step") -> dict[str, Any]:
             "tokens_per_s": [r["tokens_per_s"] for r in timed],
         },
         "eval": evals,
-        "restarts": [at(e["step"]) for e in _rows(store, EVENTS) if e.get("event") == "resume"],
+        "restarts": [
+            at(e["step"]) for e in _rows(store, EVENTS) if e.get("event") == EventKind.RESUME
+        ],
     }
 
 

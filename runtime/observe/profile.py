@@ -17,6 +17,7 @@ from collections.abc import Callable
 import jax
 
 from jobspec.run_config import ProfileConfig
+from jobspec.run_dir import PROFILE, profile_dir
 from jobspec.run_store import ArtifactStore
 
 
@@ -64,7 +65,7 @@ class ProfileWindow:
         jax.profiler.stop_trace()
         local, self._dir, self.enabled = self._dir, None, False
         try:
-            dest = f"profile/host-{self.store.process_index}"
+            dest = profile_dir(self.store.process_index)
             files = _copy_tree(local, self.store, dest)
         finally:
             shutil.rmtree(local, ignore_errors=True)
@@ -73,7 +74,7 @@ class ProfileWindow:
             "start_step": self.cfg.start_step,
             "last_step": step,
             "seconds": traced_s,
-            "path": self.store.uri("profile"),
+            "path": self.store.uri(PROFILE),
             "files": files,
         }
 

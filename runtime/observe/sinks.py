@@ -18,11 +18,11 @@ import time
 from typing import Any
 
 from jobspec.run_config import MetricsConfig, WandbConfig
+from jobspec.run_dir import TENSORBOARD, WANDB
 from jobspec.run_store import ArtifactStore
 
 # Row fields that are not scalars to plot against the step.
 NOT_SCALARS = {"step", "tokens", "batch_hash", "record_ids", "name", "time", "elapsed"}
-TB_DIR, WANDB_DIR = "tensorboard", "wandb"
 UPLOAD_EVERY_S = 30.0  # gs:// runs: event files are copied to the run at most this often
 
 
@@ -108,7 +108,7 @@ class TensorBoardSink(_Sink):
 
         self.store = store
         self.local = (
-            store.uri(TB_DIR) if not store.remote else tempfile.mkdtemp(prefix="jaxjob-tb-")
+            store.uri(TENSORBOARD) if not store.remote else tempfile.mkdtemp(prefix="jaxjob-tb-")
         )
         self._uploaded = 0.0
         self.writer = SummaryWriter(
@@ -130,7 +130,7 @@ class TensorBoardSink(_Sink):
         self.writer.flush()
         for name in sorted(os.listdir(self.local)):
             with open(os.path.join(self.local, name), "rb") as f:
-                self.store.write_bytes(f"{TB_DIR}/{name}", f.read())
+                self.store.write_bytes(f"{TENSORBOARD}/{name}", f.read())
         self._uploaded = time.monotonic()
 
     def _abandon(self) -> None:
@@ -221,7 +221,7 @@ class WandbSink(_Sink):
             return
         if self.store.remote:
             try:
-                for root, _, names in os.walk(os.path.join(self.local, WANDB_DIR)):
+                for root, _, names in os.walk(os.path.join(self.local, WANDB)):
                     for name in names:
                         path = os.path.join(root, name)
                         rel = os.path.relpath(path, self.local)

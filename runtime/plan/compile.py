@@ -186,6 +186,58 @@ def _model_summary(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+def _setup(cfg: RunConfig, target: Target, mesh: Any, seconds: float) -> dict[str, Any]:
+    """The head of the report: what was compiled, for what, and how long it took."""
+    devices = target.devices
+    return {
+        "target": target.describe(),
+        "mesh": {
+            "slices": cfg.mesh.slices,
+            "data": cfg.mesh.data,
+            "expert": cfg.mesh.expert,
+            "fsdp": cfg.mesh.fsdp,
+            "tensor": cfg.mesh.tensor,
+        },  # fmt: skip
+        "device_kind": devices[0].device_kind,
+        "model": _model_summary(cfg),
+        "moe_dispatch": moe_dispatch.describe(cfg.model, mesh),
+        "training": {
+            "seq_len": cfg.training.seq_len,
+            "global_batch_size": cfg.training.global_batch_size,
+            "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
+            "sequences_per_chip": cfg.training.global_batch_size / len(devices),
+            "loss_chunk_size": cfg.training.loss_chunk_size,
+        },
+        "compile_seconds": round(seconds, 3),
+        "tokens_per_step": cfg.training.tokens_per_step,
+    }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+def _flops_report(
+    analysis: dict[str, Any], analytic: dict[str, float], kernels: bool, peak: float | None, n: int
+) -> dict[str, Any]:
+    """The compiled matmul FLOPs per chip against the analytic count and the chip's peak."""
+    per_chip = analysis["matmul_flops"]
+    return {
+        "compiled": {"per_chip": per_chip, "per_step": per_chip * n},
+        "analytic": analytic,
+        "compiled_over_analytic": _ratio(per_chip, analytic["per_chip"]),
+        "uncounted_custom_calls": analysis["uncounted_custom_calls"],
+        # With a fused attention kernel (splash: tpu_custom_call; cudnn: __cudnn$fmha*) the
+        # compiled count holds no attention matmuls: this compares it with 6N alone.
+        "attention_in_kernels": kernels,
+        "compiled_over_analytic_dense": _ratio(per_chip, analytic["dense_per_chip"]),
+        "loops": analysis["loops"],
+        "peak_flops_per_chip": peak,
+        # The matmul time of one step at peak: a lower bound on its step time.
+        "seconds_at_peak": per_chip / peak if peak else None,
+    }
+
+
 def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
     """The compiled plan of cfg's train step on `target`: JSON-serialisable, per chip."""
     check_mesh(cfg.mesh.size, cfg.mesh.slices, target)
@@ -195,28 +247,7 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
         # Only a TPU compile fails on memory; its dump then still names the largest buffers.
         dump = tmp if target.kind == "tpu" else None
         prog, mesh, compiled, seconds = compile_program(cfg, devices, dump)
-        report: dict[str, Any] = {
-            "target": target.describe(),
-            "mesh": {
-                "slices": cfg.mesh.slices,
-                "data": cfg.mesh.data,
-                "expert": cfg.mesh.expert,
-                "fsdp": cfg.mesh.fsdp,
-                "tensor": cfg.mesh.tensor,
-            },  # fmt: skip
-            "device_kind": devices[0].device_kind,
-            "model": _model_summary(cfg),
-            "moe_dispatch": moe_dispatch.describe(cfg.model, mesh),
-            "training": {
-                "seq_len": cfg.training.seq_len,
-                "global_batch_size": cfg.training.global_batch_size,
-                "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
-                "sequences_per_chip": cfg.training.global_batch_size / n,
-                "loss_chunk_size": cfg.training.loss_chunk_size,
-            },
-            "compile_seconds": round(seconds, 3),
-            "tokens_per_step": cfg.training.tokens_per_step,
-        }
+        report = _setup(cfg, target, mesh, seconds)
         analytic = analytic_flops(cfg, n)
         if isinstance(compiled, Exception):
             report["compiled"] = False
@@ -229,30 +260,11 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
     )
     slice_of = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
     analysis = hlo.analyse(compiled.as_text(), slice_of=slice_of)
-    per_chip = analysis["matmul_flops"]
     kernels = any(
         k == "tpu_custom_call" or k.startswith("__cudnn$fmha")
         for k in analysis["uncounted_custom_calls"]
     )
-    peak = target.peak_flops
-    report["flops"] = {
-        "compiled": {"per_chip": per_chip, "per_step": per_chip * n},
-        "analytic": analytic,
-        "compiled_over_analytic": round(per_chip / analytic["per_chip"], 4)
-        if analytic["per_chip"]
-        else None,
-        "uncounted_custom_calls": analysis["uncounted_custom_calls"],
-        # With a fused attention kernel (splash: tpu_custom_call; cudnn: __cudnn$fmha*) the
-        # compiled count holds no attention matmuls: this compares it with 6N alone.
-        "attention_in_kernels": kernels,
-        "compiled_over_analytic_dense": round(per_chip / analytic["dense_per_chip"], 4)
-        if analytic["dense_per_chip"]
-        else None,
-        "loops": analysis["loops"],
-        "peak_flops_per_chip": peak,
-        # The matmul time of one step at peak: a lower bound on its step time.
-        "seconds_at_peak": per_chip / peak if peak else None,
-    }
+    report["flops"] = _flops_report(analysis, analytic, kernels, target.peak_flops, n)
     report["collectives"] = analysis["collectives"]
     report["memory"]["largest_buffers"] = analysis["largest_buffers"]
     report["step_time"] = predicted_step_time(cfg, target, compiled, analytic, kernels, n)

@@ -25,7 +25,7 @@ import multiprocessing
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jobspec.errors import ConfigError
@@ -157,6 +157,65 @@ def _workers(requested: int | None) -> int:
     return max(1, min(os.cpu_count() or 1, int(avail // (6 * GIB))))
 
 
+@dataclass
+class _Search:
+    """What the search has learnt so far: the rows compiled, and what they rule out."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    failed: list[Candidate] = field(default_factory=list)  # did not fit, or did not compile
+    fitted: list[Candidate] = field(default_factory=list)
+    skipped: list[Candidate] = field(default_factory=list)  # need the memory of a failed one
+    slower: list[Candidate] = field(default_factory=list)  # more accumulation of a fitted one
+
+    def next_wave(
+        self, pending: list[Candidate], size: int
+    ) -> tuple[list[Candidate], list[Candidate]]:
+        """Up to `size` candidates to compile at once, and those left for later waves; the
+        candidates what is known already rules out are set aside (skipped, slower)."""
+        wave: list[Candidate] = []
+        rest: list[Candidate] = []
+        for c in pending:
+            if any(c.needs_at_least(f) for f in self.failed):
+                self.skipped.append(c)
+            elif any(c.slower_than(f) for f in self.fitted):
+                self.slower.append(c)
+            elif len(wave) < size and not any(c.needs_at_least(w) for w in wave):
+                wave.append(c)  # a wave holds no candidate another in it could rule out
+            else:
+                rest.append(c)
+        return wave, rest
+
+    def record(self, r: dict[str, Any], tokens_per_step: int) -> None:
+        """Keep one compiled candidate's row, with its predicted tokens/s."""
+        c = r["candidate"]
+        if r.get("fits") is False or not r.get("compiled", True):
+            self.failed.append(c)
+        elif r.get("compiled"):
+            self.fitted.append(c)
+        r["predicted_tokens_per_s"] = (
+            round(tokens_per_step / r["step_seconds"]) if r.get("step_seconds") else None
+        )
+        self.rows.append(r)
+
+    def pick(self) -> dict[str, Any] | None:
+        """The fastest row that fits with MIN_HEADROOM to spare."""
+        # A target without an HBM figure (cpu) cannot say it fits; what compiled there is eligible.
+        eligible = [
+            r for r in self.rows
+            if r.get("compiled") and r.get("fits") is not False
+            and (r.get("headroom") is None or r["headroom"] >= MIN_HEADROOM)
+        ]  # fmt: skip
+        ranked = sorted(eligible, key=lambda r: -(r["predicted_tokens_per_s"] or 0))
+        return ranked[0] if ranked else None
+
+
+def _pool(workers: int) -> ProcessPoolExecutor | None:
+    """Compile workers, spawned (a fork of a process running jax may deadlock); None for one."""
+    if workers <= 1:
+        return None
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
 def fit(
     cfg,
     accelerator: str,
@@ -175,30 +234,12 @@ def fit(
     batch_shards = cfg.mesh.slices * cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.expert
     pending = candidates(cfg, target.kind, batch_shards)
     tokens_per_step = cfg.training.tokens_per_step
-    rows: list[dict[str, Any]] = []
-    skipped: list[Candidate] = []
-    failed: list[Candidate] = []
-    fitted: list[Candidate] = []
-    slower: list[Candidate] = []
+    search = _Search()
     workers = _workers(jobs)
-    pool = (
-        ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-        if workers > 1
-        else None
-    )
+    pool = _pool(workers)
     try:
         while pending:
-            wave: list[Candidate] = []
-            rest: list[Candidate] = []
-            for c in pending:
-                if any(c.needs_at_least(f) for f in failed):
-                    skipped.append(c)
-                elif any(c.slower_than(f) for f in fitted):
-                    slower.append(c)
-                elif len(wave) < workers and not any(c.needs_at_least(w) for w in wave):
-                    wave.append(c)  # a wave holds no candidate another in it could rule out
-                else:
-                    rest.append(c)
+            wave, pending = search.next_wave(pending, workers)
             payloads = [(resolved_dict(_with(cfg, c)), accelerator, hosts, slices, c) for c in wave]
             results = (
                 list(pool.map(_compile_one, payloads))
@@ -206,35 +247,20 @@ def fit(
                 else [_compile_one(p) for p in payloads]
             )
             for r in results:
-                c = r["candidate"]
-                if r.get("fits") is False or not r.get("compiled", True):
-                    failed.append(c)
-                elif r.get("compiled"):
-                    fitted.append(c)
-                r["predicted_tokens_per_s"] = (
-                    round(tokens_per_step / r["step_seconds"]) if r.get("step_seconds") else None
-                )
-                rows.append(r)
+                search.record(r, tokens_per_step)
                 if progress:
                     progress(r)
-            pending = rest
     finally:
         if pool:
             pool.shutdown()
-    # A target without an HBM figure (cpu) cannot say it fits; what compiled there is eligible.
-    eligible = [
-        r for r in rows
-        if r.get("compiled") and r.get("fits") is not False
-        and (r.get("headroom") is None or r["headroom"] >= MIN_HEADROOM)
-    ]  # fmt: skip
-    ranked = sorted(eligible, key=lambda r: -(r["predicted_tokens_per_s"] or 0))
+    rows = search.rows
     return {
         "target": target.describe(),
         "sequences_per_step": sequences_per_step(cfg),
         "tried": rows,
-        "skipped": [c.__dict__ for c in skipped],  # need the memory of one that did not fit
-        "not_compiled_slower": [c.__dict__ for c in slower],  # more accumulation of a fit
-        "pick": ranked[0] if ranked else None,
+        "skipped": [c.__dict__ for c in search.skipped],
+        "not_compiled_slower": [c.__dict__ for c in search.slower],
+        "pick": search.pick(),
         "smallest_peak_bytes": min(
             (r["peak_bytes"] for r in rows if r.get("peak_bytes")), default=None
         ),

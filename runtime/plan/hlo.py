@@ -44,7 +44,8 @@ COLLECTIVE_KINDS = (
     "send",
     "recv",
 )
-_KIND_OF = {
+# The collective kind each opcode (and its async -start form) is counted under.
+KIND_OF = {
     "all-gather": "all-gather",
     "all-gather-start": "all-gather",
     "reduce-scatter": "reduce-scatter",
@@ -61,7 +62,7 @@ _KIND_OF = {
     "recv": "recv",
 }
 # Ops that name a buffer another op already owns: not buffers of their own.
-_VIEWS = {"get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
+VIEWS = {"get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
           "replica-id"}  # fmt: skip
 
 
@@ -205,7 +206,8 @@ class Module:
             entry = list(comps)[-1]
         return cls(comps, entry)
 
-    def _trip_count(self, ins: Instr) -> int | None:
+    def trip_count(self, ins: Instr) -> int | None:
+        """How many times the `while` instruction `ins` runs its body, or None if unknown."""
         m = _TRIP.search(ins.attrs)
         if m:
             return int(m.group(1))
@@ -234,7 +236,7 @@ class Module:
                     continue  # the -start (or async-start) already called it
                 trips = 1
                 if ins.opcode == "while":
-                    t = self._trip_count(ins)
+                    t = self.trip_count(ins)
                     if t is None:
                         unknown += 1
                     trips = t if t is not None else 1
@@ -274,7 +276,8 @@ def _json_dims(attrs: str, key: str) -> list[int]:
     return [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip('" ')] if m else []
 
 
-def _operand_leaves(comp: Computation, ins: Instr, i: int) -> list[Array]:
+def operand_leaves(comp: Computation, ins: Instr, i: int) -> list[Array]:
+    """The array leaves of operand `i` of `ins` (empty if `comp` does not define it)."""
     if i >= len(ins.operands):
         return []
     src = comp.instrs.get(ins.operands[i])
@@ -287,7 +290,7 @@ def instr_flops(comp: Computation, ins: Instr) -> float | None:
     if not out:
         return None
     if ins.opcode == "dot":
-        lhs = _operand_leaves(comp, ins, 0)
+        lhs = operand_leaves(comp, ins, 0)
         if not lhs:
             return None
         k = math.prod(lhs[0].dims[d] for d in _dims_attr(ins.attrs, "lhs_contracting_dims"))
@@ -297,7 +300,7 @@ def instr_flops(comp: Computation, ins: Instr) -> float | None:
     if ins.opcode == "custom-call" and re.search(
         r'custom_call_target="[^"]*(gemm|matmul)', ins.attrs
     ):
-        lhs = _operand_leaves(comp, ins, 0)
+        lhs = operand_leaves(comp, ins, 0)
         if not lhs:
             return None
         k = math.prod(lhs[0].dims[d] for d in _json_dims(ins.attrs, "lhs_contracting_dimensions"))
@@ -315,7 +318,7 @@ def _window(attrs: str, key: str, n: int, default: int) -> list[tuple[int, ...]]
 def _conv_flops(comp: Computation, ins: Instr, out: Array) -> float | None:
     """2 x the multiply-adds that touch real input: TPU expresses batched matmuls as
     convolutions whose dilated or padded window positions hit holes, which do no work."""
-    lhs, rhs = _operand_leaves(comp, ins, 0), _operand_leaves(comp, ins, 1)
+    lhs, rhs = operand_leaves(comp, ins, 0), operand_leaves(comp, ins, 1)
     m = re.search(r"dim_labels=([^_]+)_([^-]+)->([^,\s]+)", ins.attrs)
     if not lhs or not rhs or not m:
         return None
@@ -350,17 +353,20 @@ def _custom_target(ins: Instr) -> str:
     return m.group(1) if m else "?"
 
 
-def _collective_bytes(comp: Computation, ins: Instr, kind: str) -> int:
+def operand_bytes(comp: Computation, ins: Instr) -> int:
+    """Bytes of all the operands of `ins`."""
+    return sum(a.bytes for i in range(len(ins.operands)) for a in operand_leaves(comp, ins, i))
+
+
+def collective_bytes(comp: Computation, ins: Instr, kind: str) -> int:
     """Per-device payload: all-gather its gathered result, a ragged all-to-all the most rows it
     can send (its input or its output buffer, the smaller: the rest is padding), the others
     their operands."""
     if ins.opcode.startswith("ragged-all-to-all"):
-        sent = sum(a.bytes for a in _operand_leaves(comp, ins, 0))
+        sent = sum(a.bytes for a in operand_leaves(comp, ins, 0))
         room = ins.leaves[-1].bytes if ins.leaves else sent  # the output (last of a -start)
         return min(sent, room)
-    ins_bytes = sum(
-        a.bytes for i in range(len(ins.operands)) for a in _operand_leaves(comp, ins, i)
-    )
+    ins_bytes = operand_bytes(comp, ins)
     if kind == "all-gather":
         leaves = [a for a in ins.leaves if a.dims]  # drop scalar sync flags of -start tuples
         n = len(ins.operands)
@@ -412,6 +418,115 @@ def _empty_kinds() -> dict[str, dict[str, int]]:
     return {k: {"count": 0, "bytes": 0} for k in COLLECTIVE_KINDS}
 
 
+def _total(kinds: dict[str, dict[str, int]]) -> dict[str, int]:
+    return {n: sum(v[n] for v in kinds.values()) for n in ("count", "bytes")}
+
+
+def _buffer_row(ins: Instr) -> dict:
+    """One buffer of the report: its shape (the first 4 leaves), size and the op that made it."""
+    op = re.search(r'op_name="([^"]*)"', ins.attrs)
+    return {
+        "name": ins.name,
+        "shape": ", ".join(str(a) for a in ins.leaves[:4])
+        + (", ..." if len(ins.leaves) > 4 else ""),
+        "dims": [list(a.dims) for a in ins.leaves[:4]],
+        "bytes": ins.bytes,
+        "opcode": ins.opcode,
+        "op_name": op.group(1)[-120:] if op else None,
+    }
+
+
+@dataclass
+class _Tally:
+    """What `analyse` adds up over the executed instructions, each weighted by its executions.
+
+    `slice_of` is set only when the devices span more than one slice: it is what places a
+    collective across slices.
+    """
+
+    slice_of: list[int] | None
+    flops: float = 0.0
+    unsized: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    within: dict[str, dict[str, int]] = field(default_factory=_empty_kinds)
+    across: dict[str, dict[str, int]] = field(default_factory=_empty_kinds)
+    unknown_scope: dict[str, dict[str, int]] = field(default_factory=_empty_kinds)
+    ragged: dict[str, int] = field(default_factory=lambda: {"count": 0, "bytes": 0})
+    buffers: dict[str, dict] = field(default_factory=dict)
+    loops: list[dict] = field(default_factory=list)
+
+    def add(self, mod: Module, comp: Computation, ins: Instr, w: int, materialised: bool) -> None:
+        """Count one instruction of `comp`, which runs `w` times a run."""
+        self._count_flops(comp, ins, w)
+        if ins.opcode == "while":
+            self.loops.append({"name": ins.name, "trip_count": mod.trip_count(ins)})
+        kind = KIND_OF.get(ins.opcode)
+        if kind is None and ins.opcode == "async-start":
+            return  # its wrapped computation holds the collective, counted there
+        if kind is not None:
+            self._count_collective(comp, ins, kind, w)
+        if materialised and ins.opcode not in VIEWS and ins.leaves:
+            b = ins.bytes
+            if b and (ins.name not in self.buffers or self.buffers[ins.name]["bytes"] < b):
+                self.buffers[ins.name] = _buffer_row(ins)
+
+    def _count_flops(self, comp: Computation, ins: Instr, w: int) -> None:
+        f = instr_flops(comp, ins)
+        if f is not None:
+            self.flops += w * f
+        elif ins.opcode == "custom-call":
+            target = _custom_target(ins)
+            if not target.startswith(("Sharding", "SPMD", "AllocateBuffer")):
+                self.unsized[target] += w
+
+    def _count_collective(self, comp: Computation, ins: Instr, kind: str, w: int) -> None:
+        nbytes = collective_bytes(comp, ins, kind)
+        scope = self._scope(ins)
+        scope[kind]["count"] += w
+        scope[kind]["bytes"] += w * nbytes
+        if ins.opcode.startswith("ragged-all-to-all"):  # also counted as all-to-all
+            self.ragged["count"] += w
+            self.ragged["bytes"] += w * nbytes
+
+    def _scope(self, ins: Instr) -> dict[str, dict[str, int]]:
+        """The tally a collective belongs to: within a slice, across slices, or unknown."""
+        if self.slice_of is None:
+            return self.within
+        if "_xla_megascale_transfer_type" in ins.attrs:
+            return self.across
+        groups = replica_groups(ins.attrs)
+        if groups is None:
+            return self.unknown_scope
+        slice_of = self.slice_of
+        if any(len({slice_of[d] for d in g if d < len(slice_of)}) > 1 for g in groups):
+            return self.across
+        return self.within
+
+    def report(self, unknown_loops: int, top: int) -> dict:
+        scopes = (self.within, self.across, self.unknown_scope)
+        by_kind = {
+            k: {n: sum(s[k][n] for s in scopes) for n in ("count", "bytes")}
+            for k in COLLECTIVE_KINDS
+        }
+        return {
+            "matmul_flops": self.flops,
+            "uncounted_custom_calls": dict(self.unsized),
+            "loops": self.loops,
+            "loops_of_unknown_trip_count": unknown_loops,
+            "collectives": {
+                "total": _total(by_kind),
+                "by_kind": by_kind,
+                "within_slice": self.within,
+                "across_slices": self.across,
+                "unknown_scope": self.unknown_scope,
+                # The MoE dispatch's exchanges (runtime/model/moe_dispatch.py), a part of
+                # all-to-all; bytes are the most rows each can send (dropless: every assignment).
+                "ragged_all_to_all": self.ragged,
+            },
+            "largest_buffers": sorted(self.buffers.values(), key=lambda b: -b["bytes"])[:top],
+            "all_buffers": list(self.buffers.values()),
+        }
+
+
 def analyse(text: str, slice_of: list[int] | None = None, top: int = 10) -> dict:
     """Matmul FLOPs, collectives and largest buffers of one compiled module, per device.
 
@@ -422,93 +537,14 @@ def analyse(text: str, slice_of: list[int] | None = None, top: int = 10) -> dict
     """
     mod = Module.parse(text)
     weight, how, unknown_loops = mod.weights()
-    flops = 0.0
-    unsized: dict[str, int] = defaultdict(int)
-    within, across, unknown_scope = _empty_kinds(), _empty_kinds(), _empty_kinds()
-    ragged = {"count": 0, "bytes": 0}
     multi = slice_of is not None and len(set(slice_of)) > 1
-    buffers: dict[str, dict] = {}
-    loops = []
+    tally = _Tally(slice_of if multi else None)
     for comp in mod.computations.values():
         w = weight.get(comp.name, 0)
         if w == 0:
             continue
+        # A fusion body's (or a reduction's applied) values are no buffers of their own.
         materialised = how.get(comp.name) not in ("fusion", "to_apply")
         for ins in comp.instrs.values():
-            f = instr_flops(comp, ins)
-            if f is not None:
-                flops += w * f
-            elif ins.opcode == "custom-call":
-                target = _custom_target(ins)
-                if not target.startswith(("Sharding", "SPMD", "AllocateBuffer")):
-                    unsized[target] += w
-            if ins.opcode == "while":
-                loops.append({"name": ins.name, "trip_count": mod._trip_count(ins)})
-            kind = _KIND_OF.get(ins.opcode)
-            if kind is None and ins.opcode == "async-start":
-                continue  # its wrapped computation holds the collective, counted there
-            if kind is not None:
-                nbytes = _collective_bytes(comp, ins, kind)
-                if not multi:
-                    scope = within
-                elif "_xla_megascale_transfer_type" in ins.attrs:
-                    scope = across
-                else:
-                    groups = replica_groups(ins.attrs)
-                    if groups is None:
-                        scope = unknown_scope
-                    elif any(
-                        len({slice_of[d] for d in g if d < len(slice_of)}) > 1 for g in groups
-                    ):
-                        scope = across
-                    else:
-                        scope = within
-                scope[kind]["count"] += w
-                scope[kind]["bytes"] += w * nbytes
-                if ins.opcode.startswith("ragged-all-to-all"):  # also counted as all-to-all
-                    ragged["count"] += w
-                    ragged["bytes"] += w * nbytes
-            if materialised and ins.opcode not in _VIEWS and ins.leaves:
-                b = ins.bytes
-                if b and (ins.name not in buffers or buffers[ins.name]["bytes"] < b):
-                    op = re.search(r'op_name="([^"]*)"', ins.attrs)
-                    buffers[ins.name] = {
-                        "name": ins.name,
-                        "shape": ", ".join(str(a) for a in ins.leaves[:4])
-                        + (", ..." if len(ins.leaves) > 4 else ""),
-                        "dims": [list(a.dims) for a in ins.leaves[:4]],
-                        "bytes": b,
-                        "opcode": ins.opcode,
-                        "op_name": op.group(1)[-120:] if op else None,
-                    }
-    largest = sorted(buffers.values(), key=lambda b: -b["bytes"])[:top]
-
-    def total(d: dict) -> dict:
-        return {"count": sum(v["count"] for v in d.values()),
-                "bytes": sum(v["bytes"] for v in d.values())}  # fmt: skip
-
-    by_kind = {
-        k: {
-            "count": within[k]["count"] + across[k]["count"] + unknown_scope[k]["count"],
-            "bytes": within[k]["bytes"] + across[k]["bytes"] + unknown_scope[k]["bytes"],
-        }
-        for k in COLLECTIVE_KINDS
-    }
-    return {
-        "matmul_flops": flops,
-        "uncounted_custom_calls": dict(unsized),
-        "loops": loops,
-        "loops_of_unknown_trip_count": unknown_loops,
-        "collectives": {
-            "total": total(by_kind),
-            "by_kind": by_kind,
-            "within_slice": within,
-            "across_slices": across,
-            "unknown_scope": unknown_scope,
-            # The MoE dispatch's exchanges (runtime/model/moe_dispatch.py), a part of
-            # all-to-all; bytes are the most rows each can send (dropless: every assignment).
-            "ragged_all_to_all": ragged,
-        },
-        "largest_buffers": largest,
-        "all_buffers": list(buffers.values()),
-    }
+            tally.add(mod, comp, ins, w, materialised)
+    return tally.report(unknown_loops, top)

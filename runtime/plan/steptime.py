@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from typing import Any
 from runtime.plan import hlo
 
 _CHIPS = Path(__file__).with_name("chips.toml")
-_SKIP = hlo._VIEWS | {"parameter", "while", "call", "conditional", "async-done", "copy-done",
+_SKIP = hlo.VIEWS | {"parameter", "while", "call", "conditional", "async-done", "copy-done",
                       "send-done", "recv-done", "domain", "opt-barrier"}  # fmt: skip
 _KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn\$fmha[^"]*)"')
 
@@ -89,7 +89,7 @@ def _reads(mod: hlo.Module, body: hlo.Computation, name: str) -> tuple[str, int]
             elif u.opcode == "dynamic-slice" and pos == 0:
                 kind, b = "slices", u.bytes
             elif u.opcode == "dynamic-update-slice" and pos == 0:
-                kind, b = "update", sum(a.bytes for a in hlo._operand_leaves(body, u, 1))
+                kind, b = "update", sum(a.bytes for a in hlo.operand_leaves(body, u, 1))
             elif u.opcode == "fusion" and (inner := _fused_body(mod, u)) is not None:
                 p = next((i for i in inner.instrs.values() if _param_index(i) == pos), None)
                 kind, b = _reads(mod, inner, p.name) if p is not None else ("whole", 0)
@@ -106,7 +106,7 @@ def _fusion_traffic(mod: hlo.Module, comp: hlo.Computation, ins: hlo.Instr) -> t
     """(matmul FLOPs, bytes moved) of one fusion instruction."""
     body = _fused_body(mod, ins)
     operand_bytes = [
-        sum(a.bytes for a in hlo._operand_leaves(comp, ins, i)) for i in range(len(ins.operands))
+        sum(a.bytes for a in hlo.operand_leaves(comp, ins, i)) for i in range(len(ins.operands))
     ]
     if body is None:
         return 0.0, ins.bytes + sum(operand_bytes)
@@ -137,6 +137,94 @@ def _fusion_traffic(mod: hlo.Module, comp: hlo.Computation, ins: hlo.Instr) -> t
     return flops, moved
 
 
+def _traffic(mod: hlo.Module, comp: hlo.Computation, ins: hlo.Instr) -> tuple[float, int]:
+    """(matmul FLOPs, bytes moved) of one executed instruction that is not a collective."""
+    if ins.opcode == "fusion":
+        return _fusion_traffic(mod, comp, ins)
+    if ins.opcode == "dynamic-slice":  # reads the slice, not the array it cuts from
+        return 0.0, 2 * ins.bytes
+    if ins.opcode == "dynamic-update-slice":  # writes its update in place
+        return 0.0, 2 * sum(a.bytes for a in hlo.operand_leaves(comp, ins, 1))
+    return hlo.instr_flops(comp, ins) or 0.0, ins.bytes + hlo.operand_bytes(comp, ins)
+
+
+@dataclass
+class _Roofline:
+    """The times and totals `estimate` adds up on chip `c`, instruction by instruction."""
+
+    c: Chip
+    compute_s: float = 0.0
+    memory_s: float = 0.0
+    comm_s: float = 0.0
+    kernel_bytes: float = 0.0
+    flops_total: float = 0.0
+    bytes_total: float = 0.0
+    # (seconds, name, opcode, FLOPs, bytes) of every costed instruction, for `largest`.
+    costs: list[tuple[float, str, str, float, float]] = field(default_factory=list)
+
+    def add(self, mod: hlo.Module, comp: hlo.Computation, ins: hlo.Instr, w: int) -> None:
+        """Cost one instruction at the top of `comp`, which runs `w` times a step."""
+        op = ins.opcode
+        if op in _SKIP or op.endswith(("-done", "-update")):
+            return
+        kind = hlo.KIND_OF.get(op)
+        if kind is not None:
+            self.comm_s += (
+                w * hlo.collective_bytes(comp, ins, kind) / self.c.interconnect_bytes_per_s
+            )
+            return
+        if op == "async-start":
+            return  # the wrapped computation is walked on its own
+        if op == "custom-call" and _KERNEL.search(ins.attrs):
+            self.kernel_bytes += w * (ins.bytes + hlo.operand_bytes(comp, ins))
+            return
+        flops, moved = _traffic(mod, comp, ins)
+        t_flops, t_bytes = flops / self.c.peak_flops, moved / self.c.hbm_bytes_per_s
+        self.flops_total += w * flops
+        self.bytes_total += w * moved
+        self.costs.append((w * max(t_flops, t_bytes), ins.name, op, w * flops, w * moved))
+        if t_flops >= t_bytes:
+            self.compute_s += w * t_flops
+        else:
+            self.memory_s += w * t_bytes
+
+    def add_kernels(self, kernel_flops: float) -> None:
+        """Fused kernels: their analytic FLOPs against peak, or their bytes, whichever is longer."""
+        k_flops_s = kernel_flops / self.c.peak_flops
+        k_bytes_s = self.kernel_bytes / self.c.hbm_bytes_per_s
+        if k_flops_s >= k_bytes_s:
+            self.compute_s += k_flops_s
+        else:
+            self.memory_s += k_bytes_s
+
+    def report(
+        self, kernel_flops: float, tokens_per_step: int | None, devices: int, top: int
+    ) -> dict[str, Any]:
+        c = self.c
+        step_s = self.compute_s + self.memory_s + self.comm_s
+        parts = {"compute": self.compute_s, "memory": self.memory_s, "communication": self.comm_s}
+        out: dict[str, Any] = {
+            "step_seconds": round(step_s, 6),
+            "bound": max(parts, key=parts.get),
+            "seconds": {k: round(v, 6) for k, v in parts.items()},
+            "matmul_flops_per_chip": self.flops_total + kernel_flops,
+            "hbm_bytes_per_chip": self.bytes_total + self.kernel_bytes,
+            "chip": {
+                "name": c.name,
+                "peak_flops": c.peak_flops,
+                "hbm_bytes_per_s": c.hbm_bytes_per_s,
+                "interconnect_bytes_per_s": c.interconnect_bytes_per_s,
+            },
+        }
+        out["largest"] = [
+            {"name": name, "opcode": op, "seconds": round(t, 6), "flops": f, "bytes": b}
+            for t, name, op, f, b in sorted(self.costs, reverse=True)[:top]
+        ]
+        if tokens_per_step and step_s > 0:
+            out["tokens_per_s_per_chip"] = round(tokens_per_step / devices / step_s)
+        return out
+
+
 def estimate(
     text: str,
     c: Chip,
@@ -149,79 +237,12 @@ def estimate(
     """The predicted step time of one compiled module (per chip) on chip `c`."""
     mod = hlo.Module.parse(text)
     weight, how, _ = mod.weights()
-    compute_s = memory_s = comm_s = 0.0
-    kernel_bytes = 0.0
-    flops_total = 0.0
-    bytes_total = 0.0
-    costs: list[tuple[float, str, str, float, float]] = []
+    roofline = _Roofline(c)
     for comp in mod.computations.values():
         w = weight.get(comp.name, 0)
         if w == 0 or how.get(comp.name) in ("fusion", "to_apply"):
-            continue
+            continue  # a fusion's body is costed as its one fusion instruction
         for ins in comp.instrs.values():
-            op = ins.opcode
-            if op in _SKIP or op.endswith(("-done", "-update")):
-                continue
-            kind = hlo._KIND_OF.get(op)
-            if kind is not None:
-                comm_s += w * hlo._collective_bytes(comp, ins, kind) / c.interconnect_bytes_per_s
-                continue
-            if op == "async-start":
-                continue  # the wrapped computation is walked on its own
-            if op == "custom-call" and _KERNEL.search(ins.attrs):
-                kernel_bytes += w * (
-                    ins.bytes
-                    + sum(
-                        sum(a.bytes for a in hlo._operand_leaves(comp, ins, i))
-                        for i in range(len(ins.operands))
-                    )
-                )
-                continue
-            if op == "fusion":
-                flops, moved = _fusion_traffic(mod, comp, ins)
-            elif op == "dynamic-slice":  # reads the slice, not the array it cuts from
-                flops, moved = 0.0, 2 * ins.bytes
-            elif op == "dynamic-update-slice":  # writes its update in place
-                flops, moved = 0.0, 2 * sum(a.bytes for a in hlo._operand_leaves(comp, ins, 1))
-            else:
-                flops = hlo.instr_flops(comp, ins) or 0.0
-                moved = ins.bytes + sum(
-                    sum(a.bytes for a in hlo._operand_leaves(comp, ins, i))
-                    for i in range(len(ins.operands))
-                )
-            t_flops, t_bytes = flops / c.peak_flops, moved / c.hbm_bytes_per_s
-            flops_total += w * flops
-            bytes_total += w * moved
-            costs.append((w * max(t_flops, t_bytes), ins.name, op, w * flops, w * moved))
-            if t_flops >= t_bytes:
-                compute_s += w * t_flops
-            else:
-                memory_s += w * t_bytes
-    # Fused kernels: their analytic FLOPs against peak, or their bytes, whichever is longer.
-    k_flops_s, k_bytes_s = kernel_flops / c.peak_flops, kernel_bytes / c.hbm_bytes_per_s
-    if k_flops_s >= k_bytes_s:
-        compute_s += k_flops_s
-    else:
-        memory_s += k_bytes_s
-    step_s = compute_s + memory_s + comm_s
-    parts = {"compute": compute_s, "memory": memory_s, "communication": comm_s}
-    out: dict[str, Any] = {
-        "step_seconds": round(step_s, 6),
-        "bound": max(parts, key=parts.get),
-        "seconds": {k: round(v, 6) for k, v in parts.items()},
-        "matmul_flops_per_chip": flops_total + kernel_flops,
-        "hbm_bytes_per_chip": bytes_total + kernel_bytes,
-        "chip": {
-            "name": c.name,
-            "peak_flops": c.peak_flops,
-            "hbm_bytes_per_s": c.hbm_bytes_per_s,
-            "interconnect_bytes_per_s": c.interconnect_bytes_per_s,
-        },
-    }
-    out["largest"] = [
-        {"name": name, "opcode": op, "seconds": round(t, 6), "flops": f, "bytes": b}
-        for t, name, op, f, b in sorted(costs, reverse=True)[:top]
-    ]
-    if tokens_per_step and step_s > 0:
-        out["tokens_per_s_per_chip"] = round(tokens_per_step / devices / step_s)
-    return out
+            roofline.add(mod, comp, ins, w)
+    roofline.add_kernels(kernel_flops)
+    return roofline.report(kernel_flops, tokens_per_step, devices, top)

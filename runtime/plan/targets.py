@@ -102,7 +102,7 @@ class Target:
         )
         return list(desc.devices)
 
-    @property
+    @cached_property
     def chip(self) -> tuple[str, float] | None:
         """(catalogue name, peak dense bf16 FLOP/s per chip) from the compiled devices' kind."""
         return None if self.kind == "cpu" else peak_bf16_flops(self.devices[0].device_kind)

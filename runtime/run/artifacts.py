@@ -1,5 +1,7 @@
 """What a run writes besides checkpoints: manifest, config copies, diagnostics, metrics, events,
-summaries. Records are built here and handed to the ArtifactStore, the only writer of files.
+summaries. The manifest, events and summaries are built here; train and eval rows come built
+(runtime/train); everything goes to the ArtifactStore, the only writer of files, at the paths
+jobspec.run_dir names.
 
 Host-global files are written by the writer host only; the others build nothing to write.
 """
@@ -7,12 +9,10 @@ Host-global files are written by the writer host only; the others build nothing 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import importlib.metadata
-import math
 import platform
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -23,23 +23,29 @@ from jobspec.errors import DivergedError
 from jobspec.evals import eval_summary
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
+from jobspec.run_dir import (
+    DIAGNOSTICS,
+    EVAL_METRICS,
+    EVENTS,
+    HOST_DIAGNOSTICS,
+    MANIFEST,
+    RESOLVED_CONFIG,
+    SOURCE_CONFIG,
+    SUMMARY,
+    TRAIN_METRICS,
+    EvalRow,
+    Event,
+    EventKind,
+    TrainRow,
+    now,
+)
 from jobspec.run_store import ArtifactStore
 from runtime.host import boot
 from runtime.model import moe_dispatch
 from runtime.model.flops import flops_per_token, parameter_counts
 from runtime.run import disk_reserve
 from runtime.run.meta import run_manifest
-from runtime.train.metrics import Throughput, live_line
 
-if TYPE_CHECKING:  # the loop hands them in: runtime/observe sits above runtime/run
-    from runtime.observe.ledger import TimeLedger
-    from runtime.observe.sinks import MetricSinks
-
-TRAIN_METRICS = "metrics/train.jsonl"
-EVAL_METRICS = "metrics/eval.jsonl"
-EVENTS = "events.jsonl"
-# A step with any of these not finite diverged (training.on_nonfinite).
-NONFINITE_KEYS = ("loss", "grad_norm", "param_norm")
 PACKAGES = (
     "jaxjob",
     "jax",
@@ -52,10 +58,29 @@ PACKAGES = (
     "fsspec",
     "gcsfs",
 )
+# The events that record a step an attempt reached (a resumed attempt recomputes up to it).
+_REACHED = (EventKind.LEDGER, EventKind.INTERRUPTED, EventKind.FAILURE, EventKind.FINISH)
 
 
-def now() -> str:
-    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+class Ledger(Protocol):
+    """The attempt's time ledger (runtime/observe/ledger.py, above this package): its snapshots
+    become `ledger` events."""
+
+    redo_until: int  # steps up to here were reached by an earlier attempt
+
+    def record_due(self) -> bool: ...
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
+class RowSinks(Protocol):
+    """Where rows go once written (runtime/observe/sinks.py, above this package)."""
+
+    def train_rows(self, rows: list[dict[str, Any]]) -> None: ...
+
+    def eval_row(self, row: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def package_versions() -> dict[str, str | None]:
@@ -118,53 +143,38 @@ def runtime_diagnostics(cfg: RunConfig, mesh, manifest, batches, param_shardings
     }
 
 
-def _scalar(x: Any) -> float:
-    return float(np.asarray(x))
-
-
 class RunArtifacts:
-    """Builds the run's records; writes them through the store on the writer host only."""
+    """A training run's records: builds the manifest, events and summaries, takes the rows
+    `runtime/train` builds, and writes them through the store on the writer host only."""
 
     def __init__(
         self,
         store: ArtifactStore,
         cfg: RunConfig,
         source_toml: str,
-        ledger: TimeLedger,
-        sinks: MetricSinks,
+        ledger: Ledger,
+        sinks: RowSinks,
     ):
         self.store, self.cfg, self.source_toml = store, cfg, source_toml
         self.ledger, self.sinks = ledger, sinks
-        fpt = flops_per_token(cfg.model, cfg.training.seq_len)
-        self.flops_per_token = float(fpt["total"])
-        self.accelerator, chip_peak = device_peak(jax.devices())
-        self.job_peak_flops = chip_peak * len(jax.devices()) if chip_peak else None
         self._manifest: dict[str, Any] = {}
-        t = cfg.training
-        # Steady-state throughput: the loop marks the clock after compilation, evals and saves.
-        self.meter = Throughput(t.tokens_per_step, self.flops_per_token, self.job_peak_flops)
-        self._pending: list[tuple[int, Any, dict]] = []  # steps since the last host sync
-        self.last_row: dict | None = None  # the newest row written
-        # training.on_nonfinite: steps skipped so far (the checkpoint carries the count across
-        # attempts), and the first step that ends the run ({step, loss, grad_norm, param_norm}).
-        self.skipped_steps = 0
-        self.nonfinite: dict[str, Any] | None = None
+        self.last_row: TrainRow | None = None  # the newest train row (on every host)
 
     @property
     def writer(self) -> bool:
         return self.store.is_writer
 
-    def event(self, kind: str, **fields: Any) -> None:
+    def event(self, kind: EventKind, **fields: Any) -> None:
         if self.writer:
-            self.store.append_jsonl(EVENTS, [{"time": now(), "event": kind, **fields}])
+            self.store.append_jsonl(EVENTS, [Event(kind, fields).to_json()])
 
     def _write_manifest(self, **update: Any) -> None:
         self._manifest.update(update, updated=now())
-        self.store.write_json("manifest.json", self._manifest)
+        self.store.write_json(MANIFEST, self._manifest)
 
     def start(self, *, resume: bool, start_step: int, total_steps: int, diagnostics: dict) -> None:
         # Every host records how it booted and what it sees; host-global files are the writer's.
-        self.store.write_host_json("runtime.json", {"time": now(), **diagnostics})
+        self.store.write_host_json(HOST_DIAGNOSTICS, {"time": now(), **diagnostics})
         if not self.writer:
             return
         disk_reserve.keep(self.store)  # room for the record of how this attempt ends
@@ -176,19 +186,20 @@ class RunArtifacts:
         for rel in (TRAIN_METRICS, EVAL_METRICS):
             if self.store.exists(rel):
                 self.store.truncate_jsonl_after(rel, "step", start_step)
-        if resume and self.store.exists("manifest.json"):
-            self._manifest = self.store.read_json("manifest.json")
+        if resume and self.store.exists(MANIFEST):
+            self._manifest = self.store.read_json(MANIFEST)
             for stale in ("failure", "diverged_at_step"):  # an earlier attempt's end
                 self._manifest.pop(stale, None)
-        self.store.write_text("config/source.toml", self.source_toml)
-        self.store.write_json("config/resolved.json", resolved_dict(self.cfg))
-        self.store.write_json("diagnostics/runtime.json", diagnostics)
+        self.store.write_text(SOURCE_CONFIG, self.source_toml)
+        self.store.write_json(RESOLVED_CONFIG, resolved_dict(self.cfg))
+        self.store.write_json(DIAGNOSTICS, diagnostics)
         self._manifest.setdefault("created", now())
         version = package_versions()["jaxjob"]
         self._write_manifest(
             **run_manifest(self.cfg, self.store.uri(""), status="running", version=version)
         )
-        self.event("resume" if resume else "start", step=start_step, total_steps=total_steps)
+        kind = EventKind.RESUME if resume else EventKind.START
+        self.event(kind, step=start_step, total_steps=total_steps)
         # After that append, which repairs a torn last line (and says so once).
         self.ledger.redo_until = max(start_step, logged, self._recorded_step())
 
@@ -203,7 +214,7 @@ class RunArtifacts:
         """The furthest step earlier attempts' events recorded (0 for a fresh run)."""
         reached = 0
         for e in self.store.read_jsonl(EVENTS):
-            if e.get("event") in ("ledger", "interrupted", "failure", "finish"):
+            if e.get("event") in _REACHED:
                 for key in ("step", "last_step"):
                     if isinstance(e.get(key), int):
                         reached = max(reached, e[key])
@@ -213,94 +224,32 @@ class RunArtifacts:
         """A snapshot of the time ledger as a `ledger` event (goodput is computed from them);
         unless forced, at most every RECORD_EVERY_S."""
         if self.writer and (force or self.ledger.record_due()):
-            self.event("ledger", **self.ledger.snapshot())
+            self.event(EventKind.LEDGER, **self.ledger.snapshot())
 
-    def step_done(
-        self, step: int, metrics: Any, provenance: dict, emit, *, sync: bool, timed: bool = True
-    ) -> None:
-        """Record a finished step; rows are fetched and written every `training.log_every`
-        steps, and at `sync` (before an eval, a save, a profile or the end), so the host rarely
-        waits. `timed=False` (profiled steps) writes the rows without throughput figures.
-
-        The fetched rows are where finiteness is read (no sync of its own): a step whose loss,
-        grad_norm or param_norm is NaN/inf, or a skip past training.max_skipped_steps, sets
-        `nonfinite`, which the loop turns into DivergedError before any eval or save."""
-        self._pending.append((step, metrics, provenance))
-        if step % self.cfg.training.log_every == 0 or sync:
-            pending, self._pending = self._pending, []
-            self.last_row = self._flush(pending, emit, timed) or self.last_row
-
-    def _flush(self, pending: list, emit, timed: bool = True) -> dict | None:
-        """Fetch the metrics of the steps since the last sync (one device_get: the sync point),
-        then time the interval, write the rows and print the live line for the last one.
-        Timing fields (and the ETA they give) go on the last row of the interval."""
-        if not pending:
-            return None
-        fetched = jax.device_get([m for _, m, _ in pending])
-        timing = self.meter.interval(pending[-1][0]) if timed else None
-        if timing:
-            remaining = self.cfg.training.total_steps - pending[-1][0]
-            timing["eta_s"] = remaining * timing["step_time"]
-        rows = []
-        tps = self.cfg.training.tokens_per_step
-        mode = self.cfg.artifacts.provenance
-        for (step, _, prov), m in zip(pending, fetched, strict=True):
-            row = {"step": step, "tokens": step * tps}
-            row.update({k: _scalar(v) for k, v in m.items()})
-            row["batch_hash"] = prov["batch_hash"]
-            if "tokens_per_source" in prov:  # a mixture: what each source fed this step
-                row["tokens_per_source"] = prov["tokens_per_source"]
-            if mode == "ids":
-                row["record_ids"] = prov["record_ids"]
-                if "sources" in prov:  # a mixture's record ids are each source's own
-                    row["sources"] = prov["sources"]
-            rows.append(row)
-        if timing:
-            rows[-1].update(timing)
-        skipped = [row for row in rows if self._check_finite(row)]
+    def train_rows(self, rows: list[TrainRow]) -> None:
+        """Write train rows (the writer, also to the sinks); every host keeps the last."""
         if self.writer:
-            self.store.append_jsonl(TRAIN_METRICS, rows)  # non-finite values are written null
-            self.sinks.train_rows(rows)
-        limit = self.cfg.training.max_skipped_steps
-        for row in skipped:
-            self.event("step_skipped", **{k: row.get(k) for k in ("step", *NONFINITE_KEYS)},
-                       skipped_steps=row["skipped_steps"])  # fmt: skip
-            emit(
-                f"warning: step {row['step']} skipped ({_nonfinite_text(row)}): parameters and "
-                f"optimizer state kept; {row['skipped_steps']} of "
-                f"training.max_skipped_steps = {limit} skips used"
-            )
-        emit(live_line(rows[-1]))
-        return rows[-1]
+            written = [r.to_json() for r in rows]
+            self.store.append_jsonl(TRAIN_METRICS, written)  # non-finite values are written null
+            self.sinks.train_rows(written)
+        self.last_row = rows[-1]
 
-    def _check_finite(self, row: dict) -> bool:
-        """Note whether the step `row` diverged; True when it was skipped (skip_step)."""
-        if "skipped" in row:  # skip_step: the step itself kept its state on device
-            row["skipped"] = skipped = bool(row["skipped"])
-            self.skipped_steps += skipped
-            row["skipped_steps"] = self.skipped_steps
-            limit = self.cfg.training.max_skipped_steps
-            if skipped and self.skipped_steps > limit and self.nonfinite is None:
-                self.nonfinite = {"step": row["step"], **{k: row.get(k) for k in NONFINITE_KEYS},
-                                  "skipped_steps": self.skipped_steps}  # fmt: skip
-            return skipped
-        if self.nonfinite is None and _nonfinite_of(row):
-            self.nonfinite = {"step": row["step"], **{k: row.get(k) for k in NONFINITE_KEYS}}
-        return False
-
-    def eval_row(self, row: dict) -> None:
+    def eval_row(self, row: EvalRow) -> None:
         if self.writer:
-            self.store.append_jsonl(EVAL_METRICS, [row])
-            self.sinks.eval_row(row)
+            written = row.to_json()
+            self.store.append_jsonl(EVAL_METRICS, [written])
+            self.sinks.eval_row(written)
+
+    def _final_loss(self) -> float | None:
+        return float(self.last_row.values["loss"]) if self.last_row else None
 
     def finish(self, status: str, step: int, index: dict, wall_s: float, **extra) -> dict:
-        last_row = self.last_row
         summary = {
             "run_id": self.cfg.run.id,
             "status": status,
             "steps": step,
             "tokens": step * self.cfg.training.tokens_per_step,
-            "final_loss": last_row["loss"] if last_row else None,
+            "final_loss": self._final_loss(),
             "wall_time_s": wall_s,
             "checkpoints": {"latest": index.get("latest"), "best": index.get("best")},
             **extra,
@@ -317,9 +266,10 @@ class RunArtifacts:
             self.sinks.close()  # W&B's own finish is part of this attempt's time
             # The time first, so the run's last event stays the one that says how it ended.
             self.record_time(force=True)
-            self.event("interrupted" if status == "interrupted" else "finish", step=step, **extra)
+            kind = EventKind.INTERRUPTED if status == "interrupted" else EventKind.FINISH
+            self.event(kind, step=step, **extra)
             summary["goodput"] = goodput.account(self.store.read_jsonl(EVENTS))
-            self.store.write_json("summaries/final.json", summary)
+            self.store.write_json(SUMMARY, summary)
             self._write_manifest(status=status, steps=step, tokens=summary["tokens"])
         return summary
 
@@ -341,7 +291,7 @@ class RunArtifacts:
             self.record_time(force=True)
         with contextlib.suppress(Exception):
             self.event(
-                "failure",
+                EventKind.FAILURE,
                 step=step,
                 error=msg,
                 type=type(err).__name__,
@@ -354,13 +304,13 @@ class RunArtifacts:
             update.update(status="diverged", diverged_at_step=diverged_at)
             index = index or {}
             with contextlib.suppress(Exception):
-                self.store.write_json("summaries/final.json", {
+                self.store.write_json(SUMMARY, {
                     "run_id": self.cfg.run.id,
                     "status": "diverged",
                     "steps": step,
                     "tokens": step * self.cfg.training.tokens_per_step,
                     "diverged_at_step": diverged_at,
-                    "final_loss": self.last_row["loss"] if self.last_row else None,
+                    "final_loss": self._final_loss(),
                     "failure": msg,
                     "checkpoints": {"latest": index.get("latest"), "best": index.get("best")},
                     "goodput": goodput.account(self.store.read_jsonl(EVENTS)),
@@ -371,15 +321,21 @@ class RunArtifacts:
             self.sinks.close()
 
 
-def _nonfinite_of(row: dict) -> dict[str, Any]:
-    """The NONFINITE_KEYS of `row` whose value is NaN or infinite."""
-    return {
-        k: row[k]
-        for k in NONFINITE_KEYS
-        if isinstance(row.get(k), float) and not math.isfinite(row[k])
-    }
+def record_unreadable_checkpoint(store: ArtifactStore, step: int, cause: str, failure: str) -> None:
+    """A resume that cannot read `step` ends the attempt before the artifacts are opened: the
+    events say why, and the manifest no longer says completed or running (the writer only)."""
+    if not store.is_writer:
+        return
+    event = Event(EventKind.CHECKPOINT_UNREADABLE, {"step": step, "error": cause})
+    store.append_jsonl(EVENTS, [event.to_json()])
+    if store.exists(MANIFEST):
+        manifest = store.read_json(MANIFEST)
+        manifest.update(status="failed", failure=failure, updated=now())
+        store.write_json(MANIFEST, manifest)
 
 
-def _nonfinite_text(row: dict) -> str:
-    """`loss nan, grad_norm inf, param_norm 3.2`: the figures that say why a step diverged."""
-    return ", ".join(f"{k} {row[k]:.4g}" for k in NONFINITE_KEYS if k in row)
+def record_discarded_checkpoints(store: ArtifactStore, steps: list[int], resume_from: int) -> None:
+    """--from-step (or a rollback) discarded `steps`: an event says so (the writer only)."""
+    if steps and store.is_writer:
+        event = Event(EventKind.CHECKPOINTS_DISCARDED, {"steps": steps, "resume_from": resume_from})
+        store.append_jsonl(EVENTS, [event.to_json()])

@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jobspec.errors import CheckpointError, StorageError, StorageFaultError
+from jobspec.run_dir import CHECKPOINT_INDEX, CHECKPOINTS, EVENTS, Event, EventKind, checkpoint_dir
 from jobspec.run_store import ArtifactStore
 from jobspec.storage import configure_gcs_env, storage_fault
 from runtime.run import checksums
@@ -42,8 +43,6 @@ from runtime.run.meta import CheckpointMeta
 
 log = logging.getLogger(__name__)
 
-CKPT_DIR = "checkpoints"
-INDEX = f"{CKPT_DIR}/index.json"
 COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker for object stores
 # `entry` repeats the step's index entry inside the checkpoint, so a step that committed just
 # before a crash (index not yet rewritten) can be re-indexed from disk.
@@ -62,24 +61,24 @@ class _Pending:
 
 def load_index(store: ArtifactStore) -> dict[str, Any]:
     """index.json as written, without touching Orbax (resume's compatibility check reads this)."""
-    if not store.exists(INDEX):
+    if not store.exists(CHECKPOINT_INDEX):
         return _index_doc({}, None)
-    doc = store.read_json(INDEX)
+    doc = store.read_json(CHECKPOINT_INDEX)
     fix = "delete it to rebuild it from the committed checkpoints"
     if not isinstance(doc, dict) or not isinstance(doc.get("checkpoints"), list):
-        raise CheckpointError(f"{store.uri(INDEX)} is not a checkpoint index; {fix}")
+        raise CheckpointError(f"{store.uri(CHECKPOINT_INDEX)} is not a checkpoint index; {fix}")
     # Every reader indexes entries by their step: a bad one is this sentence, not a KeyError.
     for i, entry in enumerate(doc["checkpoints"]):
         step = entry.get("step") if isinstance(entry, dict) else None
         if not _is_step(step):
             raise CheckpointError(
-                f"{store.uri(INDEX)}: checkpoints[{i}] is {entry!r:.80}, not an entry with an "
+                f"{store.uri(CHECKPOINT_INDEX)}: checkpoints[{i}] is {entry!r:.80}, not an entry with an "
                 f"integer step; {fix}"
             )
     for key in ("latest", "best"):
         if doc.get(key) is not None and not _is_step(doc[key]):
             raise CheckpointError(
-                f"{store.uri(INDEX)}: {key} is {doc[key]!r:.80}, not a step or null; {fix}"
+                f"{store.uri(CHECKPOINT_INDEX)}: {key} is {doc[key]!r:.80}, not a step or null; {fix}"
             )
     return doc
 
@@ -107,14 +106,14 @@ def _is_step(value: Any) -> bool:
 
 
 def _committed(store: ArtifactStore, step: int) -> bool:
-    rel = f"{CKPT_DIR}/{step}"
+    rel = checkpoint_dir(step)
     if store.remote:
         return store.exists(f"{rel}/{COMMIT_FILE}")
     return store.isdir(rel)  # the atomic rename from the tmp dir is the commit
 
 
 def _read_entry(store: ArtifactStore, step: int) -> dict[str, Any] | None:
-    rel = f"{CKPT_DIR}/{step}/entry/metadata"  # JsonSave's file inside the `entry` item
+    rel = f"{checkpoint_dir(step)}/entry/metadata"  # JsonSave's file inside the `entry` item
     try:
         entry = store.read_json(rel)
     except StorageError:
@@ -131,7 +130,9 @@ def reconciled_entries(
     from the same files; this is what "has the run a checkpoint" means everywhere."""
     written = load_index(store) if written is None else written
     listed = {int(e["step"]): e for e in written["checkpoints"]}
-    on_disk = {int(n) for n in store.listdir(CKPT_DIR) if n.isdigit() and _committed(store, int(n))}
+    on_disk = {
+        int(n) for n in store.listdir(CHECKPOINTS) if n.isdigit() and _committed(store, int(n))
+    }
     entries = {s: e for s, e in listed.items() if s in on_disk}
     for step in sorted(on_disk - listed.keys()):
         entry = _read_entry(store, step)
@@ -166,7 +167,7 @@ class CheckpointService:
         self.every, self.last_step = every, last_step
         self.best_metric = best_metric
         self.read_only = read_only
-        self.directory = store.uri(CKPT_DIR)
+        self.directory = store.uri(CHECKPOINTS)
         if store.remote:
             _invalidate_epath_cache(self.directory)
         options = ocp.CheckpointManagerOptions(
@@ -210,11 +211,11 @@ class CheckpointService:
             return
         d = self.directory
         what = (
-            f"checkpoint {self._gone[0]} is listed in {self.store.uri(INDEX)} but {d}/"
+            f"checkpoint {self._gone[0]} is listed in {self.store.uri(CHECKPOINT_INDEX)} but {d}/"
             f"{self._gone[0]} is gone"
             if len(self._gone) == 1
             else f"checkpoints {', '.join(map(str, self._gone))} are listed in "
-            f"{self.store.uri(INDEX)} but their directories under {d} are gone"
+            f"{self.store.uri(CHECKPOINT_INDEX)} but their directories under {d} are gone"
         )
         latest = self.latest()
         left = (
@@ -224,14 +225,12 @@ class CheckpointService:
         )
         print(f"warning: {what}; {left}", file=sys.stderr, flush=True)
         if not self.read_only:
-            self._events([{"event": "checkpoint_missing", "step": s, "directory": f"{d}/{s}"}
+            self._events([Event(EventKind.CHECKPOINT_MISSING, {"step": s, "directory": f"{d}/{s}"})
                           for s in self._gone])  # fmt: skip
 
-    def _events(self, rows: list[dict[str, Any]]) -> None:
-        from runtime.run.artifacts import EVENTS, now  # artifacts sits above this module
-
+    def _events(self, events: list[Event]) -> None:
         if self.store.is_writer and not self.read_only:
-            self.store.append_jsonl(EVENTS, [{"time": now(), **r} for r in rows])
+            self.store.append_jsonl(EVENTS, [e.to_json() for e in events])
 
     def gone(self) -> list[int]:
         """Steps the index listed whose committed directory is gone."""
@@ -260,7 +259,7 @@ class CheckpointService:
 
     def _write_index(self) -> None:
         if self.store.is_writer and not self.read_only:
-            self.store.write_json(INDEX, self.read_index())
+            self.store.write_json(CHECKPOINT_INDEX, self.read_index())
 
     def steps(self) -> list[int]:
         return sorted(self._entries)
@@ -422,7 +421,7 @@ class CheckpointService:
                     )
             if self.store.is_writer:
                 self._pending.summing = self._summer.submit(
-                    checksums.record, self.store, f"{CKPT_DIR}/{step}"
+                    checksums.record, self.store, checkpoint_dir(step)
                 )
         summing = self._pending.summing
         if summing is not None:
@@ -434,7 +433,7 @@ class CheckpointService:
                 self._pending, self._failed_step = None, step
                 raise
             # Before the index: a crash between leaves a step adopted from disk with its record.
-            checksums.write(self.store, f"{CKPT_DIR}/{step}", record)
+            checksums.write(self.store, checkpoint_dir(step), record)
         pending, self._pending = self._pending, None
         self._entries[pending.step] = pending.entry
         self._forget_checks(pending.step)
@@ -509,7 +508,7 @@ class CheckpointService:
             if s in known:
                 self._mgr.delete(s)
             elif self.store.is_writer:
-                self.store.delete(f"{CKPT_DIR}/{s}", recursive=True)
+                self.store.delete(checkpoint_dir(s), recursive=True)
 
     def discard_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (a run resumed from an older step branches off
@@ -594,7 +593,7 @@ class CheckpointService:
         if (step, items) not in self._checked:
             # gs:// objects by the MD5 GCS keeps (nothing downloaded); local files by content.
             self._checked[step, items] = checksums.check(
-                self.store, f"{CKPT_DIR}/{step}", content=not self.store.remote, items=items
+                self.store, checkpoint_dir(step), content=not self.store.remote, items=items
             )
         return self._checked[step, items].damage
 
@@ -633,8 +632,9 @@ class CheckpointService:
                     file=sys.stderr,
                     flush=True,
                 )
-            self._events([{"event": "checkpoint_damaged", "step": s, "cause": c,
-                           "resume_from": step} for s, c in damaged])  # fmt: skip
+            self._events([Event(EventKind.CHECKPOINT_DAMAGED,
+                                {"step": s, "cause": c, "resume_from": step})
+                          for s, c in damaged])  # fmt: skip
             self.discard_after(step)
         return step
 
@@ -696,8 +696,8 @@ class CheckpointService:
         if step in self._gone:
             return {"step": step, "ok": False, "state": "missing", "verified": False,
                     "bytes": None, "cause": f"{self.directory}/{step} is gone"}  # fmt: skip
-        size = _disk_bytes(self.store, f"{CKPT_DIR}/{step}")
-        found = checksums.check(self.store, f"{CKPT_DIR}/{step}", content=True)
+        size = _disk_bytes(self.store, checkpoint_dir(step))
+        found = checksums.check(self.store, checkpoint_dir(step), content=True)
         self._checked[step, None] = found
         if found.damage is not None:
             return {"step": step, "ok": False, "state": "damaged", "verified": True,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 
+from jobspec.run_dir import DISK_RESERVE
 from jobspec.run_store import ArtifactStore
 
-RESERVE = ".disk-reserve"
 # A few blocks of any filesystem: the failure event, the manifest and a final summary.
 RESERVE_BYTES = 64 * 1024
 
@@ -23,7 +23,7 @@ def keep(store: ArtifactStore) -> None:
     ZFS) allocates them. A disk already too full for it keeps none: the run's own writes say so."""
     if store.remote or not store.is_writer:
         return
-    path = store.uri(RESERVE)
+    path = store.uri(DISK_RESERVE)
     try:
         with open(path, "wb") as f:
             f.write(os.urandom(RESERVE_BYTES))
@@ -38,4 +38,4 @@ def release(store: ArtifactStore) -> None:
     if store.remote or not store.is_writer:
         return
     with contextlib.suppress(OSError):
-        os.remove(store.uri(RESERVE))
+        os.remove(store.uri(DISK_RESERVE))

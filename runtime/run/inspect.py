@@ -7,17 +7,17 @@ from typing import Any
 from jobspec.errors import StorageError
 from jobspec.evals import eval_summary, eval_text
 from jobspec.goodput import account, goodput_line
+from jobspec.run_dir import EVAL_METRICS, EVENTS, MANIFEST, SUMMARY, TRAIN_METRICS, EventKind
 from jobspec.run_status import effective_manifest
 from jobspec.run_store import ArtifactStore
 from jobspec.storage import configure_gcs_env
-from runtime.run.artifacts import EVAL_METRICS, EVENTS, TRAIN_METRICS
 
 
 def open_run(run: str) -> ArtifactStore:
     configure_gcs_env()
     store = ArtifactStore(run.rstrip("/"), process_index=0)
-    if not store.exists("manifest.json"):
-        raise StorageError(f"{run} is not a jaxjob run directory (no manifest.json there)")
+    if not store.exists(MANIFEST):
+        raise StorageError(f"{run} is not a jaxjob run directory (no {MANIFEST} there)")
     return store
 
 
@@ -27,13 +27,11 @@ def inspect_run(run: str) -> dict[str, Any]:
     evals = store.read_jsonl(EVAL_METRICS) if store.exists(EVAL_METRICS) else []
     events = store.read_jsonl(EVENTS) if store.exists(EVENTS) else []
     # A failure recorded after a `running` manifest that a full disk kept from being replaced.
-    manifest = effective_manifest(store.read_json("manifest.json"), events)
+    manifest = effective_manifest(store.read_json(MANIFEST), events)
     from runtime.run.checkpoint import load_index  # checks every entry: one sentence if bad
 
     index = load_index(store)
-    summary = (
-        store.read_json("summaries/final.json") if store.exists("summaries/final.json") else None
-    )
+    summary = store.read_json(SUMMARY) if store.exists(SUMMARY) else None
     timed = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)
     last = rows[-1] if rows else None
     latest_best = eval_summary(evals)  # as `launch status` says them
@@ -61,7 +59,9 @@ def inspect_run(run: str) -> dict[str, Any]:
             c["step"] for c in index.get("checkpoints", []) if c.get("unreadable")
         ],
         # The newest thing that happened (time-ledger snapshots are bookkeeping, not events).
-        "last_event": next((e for e in reversed(events) if e.get("event") != "ledger"), None),
+        "last_event": next(
+            (e for e in reversed(events) if e.get("event") != EventKind.LEDGER), None
+        ),
         # Over every attempt, from the ledger snapshots the writers recorded.
         "goodput": account(events),
         "summary": summary,

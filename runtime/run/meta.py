@@ -12,17 +12,7 @@ from typing import Any
 
 from jobspec.errors import CheckpointError
 from jobspec.run_config import RunConfig
-
-#: The layout of a run directory, recorded in manifest.json.
-LAYOUT = {
-    "manifest": "manifest.json",
-    "config": ["config/source.toml", "config/resolved.json"],
-    "diagnostics": "diagnostics/runtime.json",
-    "metrics": ["metrics/train.jsonl", "metrics/eval.jsonl"],
-    "events": "events.jsonl",
-    "summary": "summaries/final.json",
-    "checkpoints": "checkpoints/index.json",
-}
+from jobspec.run_dir import LAYOUT
 
 
 @dataclass(frozen=True)

@@ -53,11 +53,8 @@ from urllib.parse import quote
 
 from jobspec.errors import JaxjobError, RunOwnedError, StorageError
 from jobspec.exit_codes import EXIT_BAD_INPUT
+from jobspec.run_dir import OWNER, OWNER_LOCK
 from jobspec.storage import DEFAULT_RETRY, RetryPolicy, is_remote, join, url_to_fs, with_retries
-
-OWNER_FILE = "owner.json"
-LOCK_FILE = ".owner.lock"
-
 
 # ---- who we are ---------------------------------------------------------------------------------
 
@@ -194,14 +191,14 @@ class _LocalSlot:
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.path = os.path.join(root, OWNER_FILE)
+        self.path = os.path.join(root, OWNER)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         import fcntl
 
         os.makedirs(self.root, exist_ok=True)
-        fd = os.open(os.path.join(self.root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(os.path.join(self.root, OWNER_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -235,7 +232,7 @@ class _GcsSlot:
     def __init__(self, fs: Any, root: str) -> None:
         self.fs = fs
         self.bucket, _, prefix = root.partition("/")
-        self.key = join(prefix, OWNER_FILE).lstrip("/")
+        self.key = join(prefix, OWNER).lstrip("/")
         self.meta_url = (
             f"{fs._location}/storage/v1/b/{quote(self.bucket)}/o/{quote(self.key, safe='')}"
         )
@@ -321,7 +318,7 @@ class RunClaim:
 
     @property
     def uri(self) -> str:
-        return join(self.root_uri, OWNER_FILE)
+        return join(self.root_uri, OWNER)
 
     def start_renewing(self) -> None:
         interval = max(0.5, min(5.0, self.record.lease_s / 4))
@@ -425,7 +422,7 @@ def acquire(
         return _held[_key(root_uri)]
     slot = _slot(root_uri)
     me = OwnerRecord.mine(run_id, submission_id, attempt, lease_s)
-    uri = join(root_uri, OWNER_FILE)
+    uri = join(root_uri, OWNER)
 
     def attempt() -> tuple[str, Any] | None:
         """One read-decide-write; None when another taker won this generation."""

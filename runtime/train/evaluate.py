@@ -11,10 +11,11 @@ from __future__ import annotations
 import jax
 
 from jobspec.run_config import RunConfig
+from jobspec.run_dir import EvalRow, EventKind, now
 from runtime.data.loader import TokenBatches, eval_loader
 from runtime.data.mixture import Mixture
 from runtime.model.sharding import batch_sharding, on_mesh, replicated
-from runtime.run.artifacts import now
+from runtime.run.artifacts import RunArtifacts
 from runtime.train.metrics import eval_line
 from runtime.train.step import make_eval_step
 
@@ -82,34 +83,30 @@ class Evaluator:
         return out
 
     def due(self, step: int) -> bool:
-        """Whether `step` is a periodic eval (`training.eval_every`; the final one is `final`)."""
+        """Whether `step` is a periodic eval (`training.eval_every`; the final one is the
+        caller's)."""
         t = self.cfg.training
         return t.eval_every > 0 and step % t.eval_every == 0 and step < t.total_steps
 
-    def maybe_run(self, step: int, state, run_art, emit, *, final: bool = False) -> dict | None:
-        """Every configured eval when `step` is due, or at the end of a run that has evals; a
-        step already evaluated (a --max-steps stop on a periodic eval) is not evaluated twice."""
-        if self._last is not None and self._last[0] == step:
-            return self._last[1]
-        if self.due(step) or (final and self.cfg.evals):
-            losses = self.run(state.params, step, run_art, emit, state.model_state)
-            self._last = (step, losses)
-            return losses
-        return None
+    def at(self, step: int, state, run_art: RunArtifacts, emit) -> dict[str, float]:
+        """Every configured eval at `step`, once: a step already evaluated (a --max-steps stop
+        on a periodic eval) gives the losses it had."""
+        if self._last is None or self._last[0] != step:
+            self._last = (step, self.run(state.params, step, run_art, emit, state.model_state))
+        return self._last[1]
 
     def run(
-        self, params, step: int, run_art, emit, others: tuple | None = None
+        self, params, step: int, run_art: RunArtifacts, emit, others: tuple | None = None
     ) -> dict[str, float]:
         """Every configured eval at `step`; rows to metrics/eval.jsonl; {name: loss}."""
         losses = {}
         for e in self.cfg.evals:
             result = self.evaluate(params, e.name, e.split, e.batches, others)
-            row = {"step": step, "time": now(), **result}
+            row = EvalRow(step=step, time=now(), **result)
             run_art.eval_row(row)
-            run_art.event("eval", step=step, name=e.name, loss=row["loss"])
-            emit(eval_line(step, e.name, row["loss"], row["token_count"],
-                           row.get("loss_per_source")))  # fmt: skip
-            losses[e.name] = row["loss"]
+            run_art.event(EventKind.EVAL, step=step, name=e.name, loss=row.loss)
+            emit(eval_line(step, e.name, row.loss, row.token_count, row.loss_per_source))
+            losses[e.name] = row.loss
         return losses
 
 

@@ -101,83 +101,107 @@ def make_train_step(
     if loss_chunk_size < 0:
         raise ValueError(f"loss_chunk_size must be >= 0, got {loss_chunk_size}")
     rate = float(router_bias_update_rate)
-
-    def grad_fn(model_others: tuple, params: Any, mb: Batch) -> Any:
-        # Differentiate the loss *sum*; the token count and expert loads ride along as aux.
-        loss = partial(
-            _loss_sums,
-            graphdef,
-            model_others,
-            objective=objective,
-            pg_clip_epsilon=pg_clip_epsilon,
-            with_loads=True,
-            loss_chunk_size=loss_chunk_size,
-        )
-        return jax.value_and_grad(loss, has_aux=True)(params, mb)
+    # The loss *sum* is differentiated; the token count and expert loads ride along as aux.
+    loss = partial(
+        _loss_sums,
+        graphdef,
+        objective=objective,
+        pg_clip_epsilon=pg_clip_epsilon,
+        with_loads=True,
+        loss_chunk_size=loss_chunk_size,
+    )
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         if objective == "clipped_pg" and (missing := [k for k in PG_BATCH_KEYS if k not in batch]):
             raise ValueError(f"a clipped_pg batch needs {missing} alongside {BATCH_KEYS}")
         params = state.params
         model_others = state.model_state
-
-        def micro(carry, mb):
-            grads, loss_sum, count, clipped = carry
-            (ls, (c, k, loads)), g = grad_fn(model_others, params, mb)
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + ls, count + c, clipped + k), loads
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        scalar = jnp.zeros((), jnp.float32)
-        (grads, loss_sum, count, clipped), loads = jax.lax.scan(
-            micro, (zeros, scalar, scalar, scalar), batch
-        )
+        grad_fn = jax.value_and_grad(partial(loss, model_others), has_aux=True)
+        grads, loss_sum, count, clipped, loads = _summed_grads(grad_fn, params, batch)
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
         rng, _ = jax.random.split(state.rng)
-        loss = loss_sum / denom
-        param_norm = optax.tree.norm(new_params)
         metrics = {
-            "loss": loss,
+            "loss": loss_sum / denom,
             "loss_sum": loss_sum,
             "token_count": count,
             "grad_norm": grad_norm,
-            "param_norm": param_norm,
+            "param_norm": optax.tree.norm(new_params),
             "lr": schedule(state.step),
         }
         if objective == "clipped_pg":  # share of counted tokens whose probability ratio was clipped
             metrics["pg_clip_fraction"] = clipped / denom
-        if loads is not None:  # MoE: load [accum, L, E]; every microbatch has the same tokens
-            if count_dropped:
-                metrics["moe_dropped_tokens"] = jnp.sum(loads.dropped).astype(jnp.float32)
-            loads = jax.lax.stop_gradient(jnp.mean(loads.load, axis=0))
-            metrics["expert_load_max_over_mean"] = load_max_over_mean(loads)
-            if rate > 0:
-                model_others = update_router_bias(model_others, loads, rate)
-        next_step = state.step + 1
-        if skip_nonfinite:
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(param_norm)
-
-            def keep(new: Any, old: Any) -> Any:
-                return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-            new_params = keep(new_params, params)
-            opt_state = keep(opt_state, state.opt_state)
-            model_others = keep(model_others, state.model_state)
-            next_step = jnp.where(finite, next_step, state.step)  # no optimizer step taken
-            metrics["skipped"] = jnp.logical_not(finite).astype(jnp.float32)
+        if loads is not None:
+            model_others = _expert_loads(metrics, loads, model_others, count_dropped, rate)
         new_state = TrainState(
             params=new_params,
             opt_state=opt_state,
-            step=next_step,
+            step=state.step + 1,
             rng=rng,
             model_state=model_others,
         )
+        if skip_nonfinite:
+            new_state = _unless_nonfinite(new_state, state, metrics)
         return new_state, metrics
 
     return train_step
+
+
+def _summed_grads(grad_fn: Callable, params: Any, batch: Batch) -> tuple:
+    """(gradient sum, loss sum, token count, clipped count, expert loads or None) over the
+    batch's microbatches, scanned; `grad_fn` is the loss sum's value_and_grad."""
+
+    def micro(carry, mb):
+        grads, loss_sum, count, clipped = carry
+        (ls, (c, k, loads)), g = grad_fn(params, mb)
+        return (jax.tree.map(jnp.add, grads, g), loss_sum + ls, count + c, clipped + k), loads
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    scalar = jnp.zeros((), jnp.float32)
+    (grads, loss_sum, count, clipped), loads = jax.lax.scan(
+        micro, (zeros, scalar, scalar, scalar), batch
+    )
+    return grads, loss_sum, count, clipped, loads
+
+
+def _expert_loads(
+    metrics: dict[str, jax.Array], loads: Any, model_others: tuple, count_dropped: bool, rate: float
+) -> tuple:
+    """An MoE step's load figures into `metrics`; the model state with its router biases moved
+    (rate > 0). `loads`: load [accum, L, E]; every microbatch has the same tokens."""
+    if count_dropped:
+        metrics["moe_dropped_tokens"] = jnp.sum(loads.dropped).astype(jnp.float32)
+    load = jax.lax.stop_gradient(jnp.mean(loads.load, axis=0))
+    metrics["expert_load_max_over_mean"] = load_max_over_mean(load)
+    return update_router_bias(model_others, load, rate) if rate > 0 else model_others
+
+
+def _unless_nonfinite(
+    new: TrainState, old: TrainState, metrics: dict[str, jax.Array]
+) -> TrainState:
+    """skip_step: `new`, or where the step's loss, gradient norm or updated parameter norm is
+    NaN/inf, `old`'s parameters, optimizer state, model state and step count (a select on
+    device: no host sync); metrics add `skipped` (1.0 when it was)."""
+    finite = (
+        jnp.isfinite(metrics["loss"])
+        & jnp.isfinite(metrics["grad_norm"])
+        & jnp.isfinite(metrics["param_norm"])
+    )
+
+    def keep(n: Any, o: Any) -> Any:
+        return jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)
+
+    metrics["skipped"] = jnp.logical_not(finite).astype(jnp.float32)
+    return TrainState(
+        params=keep(new.params, old.params),
+        opt_state=keep(new.opt_state, old.opt_state),
+        step=jnp.where(finite, new.step, old.step),  # no optimizer step taken
+        rng=new.rng,
+        model_state=keep(new.model_state, old.model_state),
+    )
 
 
 def make_eval_step(

@@ -34,7 +34,8 @@ from test_launch_local import (
 )
 
 from jobspec.exit_codes import EXIT_HOST_LOST
-from launch.registry import Registry, RunRecord, utc_now
+from launch.registry import Registry, RunRecord
+from launch.state import utc_now
 
 from runs import ROOT, read_jsonl
 

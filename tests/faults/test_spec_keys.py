@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from jobspec.backends.local import MAX_LOCAL_PROCESSES
 from jobspec.errors import ConfigError
-from jobspec.job_spec import MAX_LOCAL_PROCESSES
 
 from runs import ROOT, stderr_lines, tiny_config, write_config
 

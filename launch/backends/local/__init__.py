@@ -12,7 +12,7 @@ from typing import Any
 
 from launch.backend import Handle, RenderedFile, Submission
 from launch.backends.local import render, status, submit
-from launch.registry import Registry
+from launch.state import RunFolders
 
 
 class LocalBackend:
@@ -20,9 +20,11 @@ class LocalBackend:
 
     name = "local"
     writes_run_files = True  # submit writes cfg.toml and job.yaml into the registry's run folder
+    handle_keys = ("run_dir",)
+    cli_options = ()
 
-    def __init__(self, registry: Registry | None = None) -> None:
-        self.registry = registry or Registry()
+    def __init__(self, registry: RunFolders | None = None) -> None:
+        self.registry = registry or RunFolders()
 
     def render(self, sub: Submission) -> list[RenderedFile]:
         return render.render_files(sub, self.registry.run_dir(sub.run_id))

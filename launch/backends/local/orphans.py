@@ -18,7 +18,7 @@ from typing import Any
 
 from launch.backends.local import procs
 from launch.backends.local.supervisor import PLAN_FILE, POLL_S, STATE_FILE
-from launch.registry import read_json, utc_now, write_json_atomic
+from launch.state import read_json, utc_now, write_json_atomic
 
 
 def live_hosts(st: dict[str, Any]) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from typing import Any
 from launch.backend import TERMINAL, Handle, tail_lines
 from launch.backends.local.orphans import describe, live_hosts
 from launch.backends.local.supervisor import CANCEL_FILE, STATE_FILE, SUPERVISOR_LOG
-from launch.registry import read_json
+from launch.state import read_json
 
 # In the supervisor's command line (`python -m launch.backends.local supervise ...`).
 SUPERVISOR_MODULE = "launch.backends.local"

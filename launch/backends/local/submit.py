@@ -16,7 +16,7 @@ from launch.backends.local.orphans import describe, live_hosts
 from launch.backends.local.render import host_plan, secret_names
 from launch.backends.local.status import SUPERVISOR_MODULE, is_supervisor
 from launch.backends.local.supervisor import CANCEL_FILE, PLAN_FILE, STATE_FILE, SUPERVISOR_LOG
-from launch.registry import Registry, read_json, write_json_atomic
+from launch.state import RunFolders, read_json, write_json_atomic
 
 
 def check_secrets(sub: Submission) -> None:
@@ -66,7 +66,7 @@ def _start_detached(run_dir: Path, command: str) -> subprocess.Popen[bytes]:
         )
 
 
-def submit(registry: Registry, sub: Submission) -> Handle:
+def submit(registry: RunFolders, sub: Submission) -> Handle:
     """Write the run's folder (cfg.toml, job.yaml, plan.json) and start its supervisor."""
     check_secrets(sub)
     run_dir = registry.run_dir(sub.run_id)

@@ -42,7 +42,7 @@ from typing import Any
 from jobspec.exit_codes import EXIT_HOST_LOST, is_restartable
 from launch.backend import TERMINAL
 from launch.backends.local import procs
-from launch.registry import read_json, utc_now, write_json_atomic
+from launch.state import read_json, utc_now, write_json_atomic
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "supervisor.json"

@@ -36,6 +36,8 @@ class SlurmBackend:
     name = "slurm"
     # submit writes cfg.toml and job.yaml into the run directory (by default the registry's)
     writes_run_files = True
+    handle_keys = ("job_id", "workdir")
+    cli_options = ()
 
     def __init__(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from jobspec.exit_codes import EXIT_BAD_INPUT
 from launch.backend import Handle
 from launch.backends.slurm.submit import escalate
 
@@ -14,7 +15,7 @@ def main(argv: list[str]) -> int:
         print(
             "usage: python -m launch.backends.slurm escalate HANDLE_JSON GRACE_S", file=sys.stderr
         )
-        return 2
+        return EXIT_BAD_INPUT
     escalate(Handle("slurm", json.loads(argv[1])), float(argv[2]), poll_s=5.0)
     return 0
 

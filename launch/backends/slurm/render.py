@@ -32,7 +32,7 @@ from jobspec.errors import ConfigError
 from jobspec.exit_codes import RESTARTABLE_EXIT_CODES, SIGNAL_EXIT_CODES
 from jobspec.job_spec import JobSpec, SecretRef
 from launch.backend import RenderedFile, Submission
-from launch.registry import Registry
+from launch.state import RunFolders
 
 SCRIPT, CONFIG, SPEC = "job.sbatch", "cfg.toml", "job.yaml"
 CANCEL_MARK = "cancel-requested"  # written by cancel(); the batch shell then never requeues
@@ -48,7 +48,7 @@ PLATFORMS = {"cpu": "cpu", "gpu": "cuda"}
 def default_rundir(run_id: str) -> Path:
     """Where a run's files go when the caller names no directory: its folder in the run registry
     (the submitting user's state dir; it must be on a filesystem the nodes share)."""
-    return Registry().run_dir(run_id)
+    return RunFolders().run_dir(run_id)
 
 
 @dataclass(frozen=True)

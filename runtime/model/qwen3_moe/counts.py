@@ -1,30 +1,9 @@
-"""The "qwen3_moe" family's own pieces: the Qwen3 decoder with a sparse MoE MLP, and its counts.
-
-Each layer's MLP is `runtime.model.moe.SparseMoE` (router `mlp.gate` + E stacked SwiGLU experts;
-paths and math documented there); everything else is `runtime.model.qwen3.Decoder`.
-"""
+"""Parameter counts and training FLOPs per token of the qwen3_moe family."""
 
 from __future__ import annotations
 
-from flax import nnx
-
-from jobspec.run_config import ModelConfig
-from runtime.model.moe import SparseMoE
-from runtime.model.qwen3 import Decoder, decoder_flops_per_token, decoder_param_count
-
-_MOE_KEYS: tuple[str, ...] = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
-
-
-def check_config(cfg: ModelConfig) -> None:
-    """ValueError unless the MoE sizes are set (ModelConfig's validator already ensures it)."""
-    missing = [k for k in _MOE_KEYS if getattr(cfg, k) is None]
-    if missing:
-        raise ValueError(f"model.family {cfg.family!r} needs model.{', model.'.join(missing)}")
-
-
-def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Decoder:
-    """The Qwen3 decoder with `SparseMoE` as every layer's MLP."""
-    return Decoder(cfg, rngs=rngs, eager_sharding=eager_sharding, mlp_factory=SparseMoE)
+from jobspec.families.model_config import ModelConfig
+from runtime.model.qwen3.counts import decoder_flops_per_token, decoder_param_count
 
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:

@@ -1,4 +1,5 @@
-"""Qwen3-family decoder in Flax NNX, and the dense "qwen3" family's own pieces (builder, counts).
+"""The Qwen3 decoder in Flax NNX, which the dense "qwen3" family builds with SwiGLU MLPs and
+qwen3_moe and qwen2 build with their own MLP or attention.
 
 The math follows Hugging Face `Qwen3ForCausalLM` exactly (a later parity test checks logits to
 1e-4): fp32 RMSNorm `x * rsqrt(mean(x^2) + eps) * weight`, q/k RMSNorm over head_dim per head
@@ -30,15 +31,17 @@ block boundary ([batch, length, embed]), on q/k/v and the attention output (per 
 hidden, on the embedding output, the final hidden states and the logits, so GSPMD keeps 1/devices
 of the batch on every chip and gathers weights (FSDP) instead of activations.
 
-The layer MLP is a per-family choice (`Decoder(..., mlp_factory=...)`): dense SwiGLU `MLP` here;
-`runtime/model/qwen3_moe.py` passes `runtime.model.moe.SparseMoE` (paths documented there), whose
-per-layer expert loads `Decoder.forward_with_loads` also returns. Model code never tests the family
-string; `runtime/model/registry.py` maps family names to builders.
+The layer MLP and attention are per-family choices (`Decoder(..., mlp_factory=...,
+attention_factory=...)`): dense SwiGLU `MLP` and q/k-normed `Attention` here;
+`runtime/model/qwen3_moe/` passes `runtime.model.moe.SparseMoE` (paths documented there), whose
+per-layer expert loads `Decoder.forward_with_loads` also returns, and `runtime/model/qwen2/` its
+biased attention. Model code never tests the family string; `runtime/model/registry.py` maps
+family names to builders. The logits, the expert-load forward and the remat'd layer loop are
+`runtime/model/decoder.py`'s.
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -47,39 +50,26 @@ from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jobspec.run_config import ModelConfig
+from jobspec.families.model_config import ModelConfig
 from runtime.model import attention
+from runtime.model.decoder import DecoderBase, cache_mask
 from runtime.model.layers import (
     ACT_EMBED,
     ACT_HEADS,
     ACT_KV_HEADS,
     ACT_MLP,
     ACT_ROPE,
-    LAYERS_AXIS,
     REMAT_POLICIES,
     Dense,
     Embed,
     RMSNorm,
     apply_rope,
     build_stacked,
-    constrain_logits,
     dtype_of,
-    remat_call,
     rope_tables,
 )
+from runtime.model.moe import MoEStats
 from runtime.model.sharding import constrain
-
-#: Every logical axis name a parameter may carry.
-LOGICAL_AXES: tuple[str, ...] = (
-    "vocab",
-    "embed",
-    "heads",
-    "kv_heads",
-    "mlp",
-    "norm",
-    "expert",
-    LAYERS_AXIS,
-)
 
 #: `checkpoint_name`s on the attention activations, for a name-based remat policy
 #: (`jax.checkpoint_policies.save_only_these_names`): the q/k/v projections (before q/k norm and
@@ -120,6 +110,18 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(hd, cfg, eager_sharding=eager_sharding)
         self.impl = cfg.attention
 
+    def heads(self, proj: nnx.Module, x: jax.Array, n: int, names: tuple, name: str) -> jax.Array:
+        """proj(x) [B, T, n * hd] as n heads [B, T, n, hd], pinned per head, named for remat."""
+        b, t, _ = x.shape
+        return checkpoint_name(constrain(proj(x).reshape(b, t, n, self.head_dim), names), name)
+
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values [B, T, heads, hd] before RoPE (q and k normed)."""
+        q = self.q_norm(self.heads(self.q_proj, x, self.num_heads, ACT_HEADS, "q_proj"))
+        k = self.k_norm(self.heads(self.k_proj, x, self.num_kv_heads, ACT_KV_HEADS, "k_proj"))
+        v = self.heads(self.v_proj, x, self.num_kv_heads, ACT_KV_HEADS, "v_proj")
+        return q, k, v
+
     def __call__(
         self,
         x: jax.Array,
@@ -132,15 +134,7 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """x [B,T,D]; training: causal within `segment_ids` [B,T] via the configured kernel.
         Decoding: kv (cache arrays [B,S,KV,hd]) at `index`, with the dense `mask` [B|1,T,S]."""
-        b, t, _ = x.shape
-        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
-
-        def project(proj: Dense, n: int, names: tuple[str | None, ...], name: str) -> jax.Array:
-            return checkpoint_name(constrain(proj(x).reshape(b, t, n, hd), names), name)
-
-        q = self.q_norm(project(self.q_proj, h, ACT_HEADS, "q_proj"))
-        k = self.k_norm(project(self.k_proj, kvh, ACT_KV_HEADS, "k_proj"))
-        v = project(self.v_proj, kvh, ACT_KV_HEADS, "v_proj")
+        q, k, v = self.qkv(x)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
@@ -161,8 +155,9 @@ class Attention(nnx.Module):
         return constrain(self.o_proj(out.reshape(b, t, h * hd)), ACT_EMBED)
 
 
-class MlpFactory(Protocol):
-    """Builds a layer's MLP; the module maps x [B, T, D] to (y [B, T, D], MoE stats | None)."""
+class LayerFactory(Protocol):
+    """Builds a layer's attention or MLP from the config (an MLP module maps x [B, T, D] to
+    (y [B, T, D], MoE stats | None))."""
 
     def __call__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> nnx.Module: ...
 
@@ -190,8 +185,9 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    The MLP comes from `mlp_factory`: SwiGLU `MLP` for the dense family, the family spec's
-    choice otherwise (e.g. the sparse MoE block).
+    The attention and the MLP come from `attention_factory` and `mlp_factory`: q/k-normed
+    `Attention` and SwiGLU `MLP` for the dense family, the family's choice otherwise (e.g. the
+    sparse MoE block).
     """
 
     def __init__(
@@ -200,10 +196,11 @@ class Block(nnx.Module):
         *,
         rngs: nnx.Rngs,
         eager_sharding: bool,
-        mlp_factory: MlpFactory = MLP,
+        mlp_factory: LayerFactory = MLP,
+        attention_factory: LayerFactory = Attention,
     ) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
-        self.self_attn = Attention(cfg, rngs=rngs, eager_sharding=eager_sharding)
+        self.self_attn = attention_factory(cfg, rngs=rngs, eager_sharding=eager_sharding)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
         self.mlp = mlp_factory(cfg, rngs=rngs, eager_sharding=eager_sharding)
 
@@ -216,7 +213,7 @@ class Block(nnx.Module):
         kv: tuple[jax.Array, jax.Array] | None = None,
         index: jax.Array | None = None,
         mask: jax.Array | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, jax.Array | None]:
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, MoEStats | None]:
         """-> (x, new_kv, stats): the MoE block's `MoEStats`, None for a dense MLP.
 
         The block's input, residual and output are pinned to [batch, length, embed]."""
@@ -229,13 +226,6 @@ class Block(nnx.Module):
         return constrain(x + y, ACT_EMBED), new_kv, load
 
 
-def _block_forward(
-    block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array | None
-) -> tuple[jax.Array, jax.Array | None]:
-    out, _, load = block(x, cos, sin, segment_ids)
-    return out, load
-
-
 def _scan_blocks(
     policy: Any,
     stacked: Block,
@@ -243,14 +233,15 @@ def _scan_blocks(
     cos: jax.Array,
     sin: jax.Array,
     segment_ids: jax.Array | None,
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, MoEStats | None]:
     """The stacked blocks as one `lax.scan` over their split state (layer i's slice per step):
     -> (x after the last block, the MoE stats stacked [L, ...] or None). `policy` (None: no remat) wraps the body,
     so the backward pass keeps only what it names per layer (at least each block's input)."""
     graphdef, state = nnx.split(stacked)
 
-    def body(x: jax.Array, layer_state: Any) -> tuple[jax.Array, jax.Array | None]:
-        return _block_forward(nnx.merge(graphdef, layer_state), x, cos, sin, segment_ids)
+    def body(x: jax.Array, layer_state: Any) -> tuple[jax.Array, MoEStats | None]:
+        out, _, stats = nnx.merge(graphdef, layer_state)(x, cos, sin, segment_ids)
+        return out, stats
 
     if policy is not None:
         # Inside scan, CSE across iterations cannot undo the remat, so prevent_cse can be off.
@@ -258,13 +249,13 @@ def _scan_blocks(
     return lax.scan(body, x, state)
 
 
-class Decoder(nnx.Module):
+class Decoder(DecoderBase):
     """Qwen3 causal LM: token ids in, float32 logits out.
 
     `eager_sharding=False` (default) only records logical names, so the model builds without a
     mesh; shard by jitting the init with out_shardings from `nnx.get_partition_spec` under logical
     axis rules. `True` lets flax shard each Param at creation (needs a mesh and rules in context).
-    `mlp_factory` builds every layer's MLP (dense SwiGLU by default; see `MlpFactory`).
+    `mlp_factory` and `attention_factory` build every layer's MLP and attention (see `Block`).
     `cfg.scan_layers` stacks the blocks into one scanned `Block` (see the module docstring).
     """
 
@@ -274,25 +265,27 @@ class Decoder(nnx.Module):
         *,
         rngs: nnx.Rngs,
         eager_sharding: bool = False,
-        mlp_factory: MlpFactory = MLP,
+        mlp_factory: LayerFactory = MLP,
+        attention_factory: LayerFactory = Attention,
     ) -> None:
         self.cfg = cfg
         self.compute_dtype = dtype_of(cfg.compute_dtype)
         self.embed_tokens = Embed(cfg, rngs=rngs, eager_sharding=eager_sharding)
-        kw = {"rngs": rngs, "mlp_factory": mlp_factory}
+        parts = {"mlp_factory": mlp_factory, "attention_factory": attention_factory}
         if cfg.scan_layers:
             # The unrolled model's draws, in its order, by one vmapped build of all the layers
             # (`build_stacked`: the init program does not grow with depth); when eager, the
             # stack is sharded as a whole, so the layers themselves are not.
             self.layers = build_stacked(
-                lambda r: Block(cfg, eager_sharding=False, rngs=r, mlp_factory=mlp_factory),
+                lambda r: Block(cfg, eager_sharding=False, rngs=r, **parts),
                 rngs,
                 cfg.num_layers,
                 eager_sharding=eager_sharding,
             )
         else:
             blocks = [
-                Block(cfg, eager_sharding=eager_sharding, **kw) for _ in range(cfg.num_layers)
+                Block(cfg, rngs=rngs, eager_sharding=eager_sharding, **parts)
+                for _ in range(cfg.num_layers)
             ]
             self.layers = nnx.List(blocks)
         self.norm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
@@ -300,78 +293,24 @@ class Decoder(nnx.Module):
             kw = {"rngs": rngs, "eager_sharding": eager_sharding}
             self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, **kw)
 
-    #: Qwen3 logits are not soft-capped (the train step's loss reads this, as for Gemma 4).
-    logit_softcap: float | None = None
-
-    def head_kernel(self) -> jax.Array:
-        """The LM head as [hidden, vocab] in compute dtype (the embedding's transpose when tied)."""
-        if self.cfg.tie_word_embeddings:
-            return self.embed_tokens.embedding[...].astype(self.compute_dtype).T
-        return self.lm_head.kernel[...].astype(self.compute_dtype)
-
-    def logits(self, h: jax.Array) -> jax.Array:
-        """Final-normed hidden states [B, T, D] -> float32 logits [B, T, vocab], pinned to batch
-        sharding (vocab over `tensor`); T may be a chunk of the sequence."""
-        # fp32 accumulation and output: the loss is computed in fp32 whatever compute_dtype is.
-        out = jnp.einsum("btd,dv->btv", h, self.head_kernel(), preferred_element_type=jnp.float32)
-        return constrain_logits(out)
-
-    def _logits(self, x: jax.Array) -> jax.Array:
-        return self.logits(constrain(self.norm(x), ACT_EMBED))
-
-    def __call__(
-        self,
-        inputs: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array | None = None,
-    ) -> jax.Array:
-        """inputs, positions, segment_ids: int32 [B, T] -> float32 logits [B, T, vocab].
-
-        Attention is causal over the T axis and, given segment_ids, limited to equal segment ids;
-        positions only feed RoPE (the caller restarts them per packed document).
-        """
-        return self.forward_with_loads(inputs, positions, segment_ids)[0]
-
-    def forward_with_loads(
-        self,
-        inputs: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """Like `__call__`, plus the expert loads: fp32 [num_layers, num_experts], each row the
-        fraction of that layer's token->expert assignments per expert; None for a dense MLP."""
-        h, stats = self.forward_hidden(inputs, positions, segment_ids)
-        return self.logits(h), None if stats is None else stats.load
-
     def forward_hidden(
         self,
         inputs: jax.Array,
         positions: jax.Array,
         segment_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, Any]:
+    ) -> tuple[jax.Array, MoEStats | None]:
         """The final-normed hidden states [B, T, D] (compute dtype, pinned to batch sharding)
         and the MoE layers' stats stacked over layers (`runtime.model.moe.MoEStats`: load [L, E],
         dropped [L]; None for a dense MLP); the loss applies `head_kernel` to the states chunk by
         chunk instead of materialising all logits."""
         cos, sin = self._rope(positions)
-        policy = REMAT_POLICIES.get(self.cfg.remat)
         x = constrain(self.embed_tokens(inputs), ACT_EMBED)
         if self.cfg.scan_layers:
+            policy = REMAT_POLICIES.get(self.cfg.remat)
             x, stacked = _scan_blocks(policy, self.layers, x, cos, sin, segment_ids)
         else:
-            block_fn = _block_forward
-            if policy is not None:
-                block_fn = partial(remat_call, policy, _block_forward)
-            loads = []
-            for block in self.layers:
-                x, load = block_fn(block, x, cos, sin, segment_ids)
-                loads.append(load)
-            stacked = (
-                jax.tree.map(lambda *a: jnp.stack(a), *loads)
-                if loads and loads[0] is not None
-                else None
-            )
-        return constrain(self.norm(x), ACT_EMBED), stacked
+            x, stacked = self.run_layers(x, cos, sin, segment_ids)
+        return self.final_norm(x), stacked
 
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """RoPE cos/sin [B, T, head_dim], batch-sharded like the activations they rotate."""
@@ -404,9 +343,7 @@ class Decoder(nnx.Module):
         layer cache) and return the stacked cache.
         """
         t = inputs.shape[1]
-        max_len = cache.k[0].shape[1]
-        q_slots = cache.index + jnp.arange(t)
-        mask = (jnp.arange(max_len)[None, :] <= q_slots[:, None])[None]  # [1, T, max_len]
+        mask = cache_mask(cache.index, t, cache.k[0].shape[1])
         cos, sin = self._rope(positions)
         x = constrain(self.embed_tokens(inputs), ACT_EMBED)
         if self.cfg.scan_layers:
@@ -419,75 +356,15 @@ class Decoder(nnx.Module):
                 return x, new_kv
 
             x, (new_k, new_v) = lax.scan(body, x, (state, cache.k, cache.v))
-            return self._logits(x), KVCache(new_k, new_v, cache.index + t)
+            return self.logits(self.final_norm(x)), KVCache(new_k, new_v, cache.index + t)
         new_k, new_v = [], []
         for block, ck, cv in zip(self.layers, cache.k, cache.v, strict=True):
             x, (nk, nv), _ = block(x, cos, sin, None, (ck, cv), cache.index, mask)
             new_k.append(nk)
             new_v.append(nv)
-        return self._logits(x), KVCache(tuple(new_k), tuple(new_v), cache.index + t)
+        return self.logits(self.final_norm(x)), KVCache(tuple(new_k), tuple(new_v), cache.index + t)
 
 
 def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Decoder:
     """The dense Qwen3 decoder (SwiGLU MLP in every layer)."""
     return Decoder(cfg, rngs=rngs, eager_sharding=eager_sharding)
-
-
-def decoder_param_count(
-    cfg: ModelConfig, mlp: int, active_mlp: int | None = None
-) -> dict[str, int]:
-    """Parameter counts of a Decoder whose per-layer MLP holds `mlp` parameters.
-
-    embedding: the input table (vocab x hidden); lm_head: the separate head (0 when tied);
-    non_embedding: everything else (blocks and final norm). The head matmul costs vocab x hidden
-    MACs per token whether tied or not, so a FLOPs estimate adds that to non_embedding.
-    With `active_mlp` (the MLP parameters one token uses, e.g. an MoE's router and k experts) the
-    counts add active_non_embedding (for FLOPs).
-    """
-    d, hd, v = cfg.hidden_size, cfg.resolved_head_dim, cfg.vocab_size
-    attn = d * cfg.num_heads * hd + 2 * d * cfg.num_kv_heads * hd + cfg.num_heads * hd * d + 2 * hd
-    per_layer = attn + mlp + 2 * d
-    embedding = v * d
-    lm_head = 0 if cfg.tie_word_embeddings else v * d
-    non_embedding = cfg.num_layers * per_layer + d
-    counts = {
-        "total": embedding + lm_head + non_embedding,
-        "embedding": embedding,
-        "lm_head": lm_head,
-        "non_embedding": non_embedding,
-        "per_layer": per_layer,
-    }
-    if active_mlp is not None:
-        counts["active_non_embedding"] = cfg.num_layers * (attn + active_mlp + 2 * d) + d
-    return counts
-
-
-def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts of the dense family (SwiGLU MLP: 3 x hidden x intermediate per layer)."""
-    return decoder_param_count(cfg, 3 * cfg.hidden_size * cfg.intermediate_size)
-
-
-def decoder_flops_per_token(
-    cfg: ModelConfig, counts: dict[str, int], seq_len: int
-) -> dict[str, float]:
-    """6 * N + 12 * L * T * H * D from `counts` (see runtime/model/flops.py for the convention).
-
-    N is active_non_embedding when present (model FLOPs of the parameters a token uses), else
-    non_embedding, plus the head matmul (vocab x hidden) tied or not.
-    """
-    n = (
-        counts.get("active_non_embedding", counts["non_embedding"])
-        + cfg.vocab_size * cfg.hidden_size
-    )
-    attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.resolved_head_dim
-    return {"params_counted": n, "dense": 6 * n, "attention": attention, "total": 6 * n + attention}
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
-    """Training FLOPs per token of the dense family."""
-    return decoder_flops_per_token(cfg, param_count(cfg), seq_len)
-
-
-def mlp_activations(cfg: ModelConfig) -> int:
-    """MLP values per token and layer kept for the backward pass (preflight's estimate)."""
-    return 3 * cfg.intermediate_size

@@ -33,12 +33,11 @@ slots; DeltaNet layers keep the last K-1 conv inputs and the fp32 recurrent stat
 A prefill runs the chunked rule from the cached state, a one-token step the recurrent rule.
 
 The layers are never scanned (they differ in mixer and MLP): `layers` is an `nnx.List`, paths
-`layers.{i}.…` mirroring HF's names (table in runtime/hf/names.py).
+`layers.{i}.…` mirroring HF's names (table in hf_names.py).
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -47,27 +46,26 @@ from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jobspec.run_config import ModelConfig, Qwen3NextConfig
+from jobspec.families.model_config import ModelConfig
+from jobspec.families.qwen3_next import Qwen3NextConfig, Qwen3NextModelConfig
 from runtime.model import attention
+from runtime.model.decoder import DecoderBase, cache_mask
 from runtime.model.deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from runtime.model.layers import (
     ACT_EMBED,
     ACT_HEADS,
     ACT_KV_HEADS,
     ACT_ROPE,
-    REMAT_POLICIES,
     Dense,
     Embed,
     RMSNorm,
     apply_rope,
-    constrain_logits,
     dtype_of,
     normal_param,
-    remat_call,
     rope_tables,
 )
-from runtime.model.moe import MoEStats, SparseMoE, stack_stats
-from runtime.model.qwen3 import MLP
+from runtime.model.moe import MoEStats, SparseMoE
+from runtime.model.qwen3.decoder import MLP
 from runtime.model.sharding import constrain
 
 #: Per-head values flattened over one axis in the DeltaNet layers [batch, length, heads(*dim)]:
@@ -75,8 +73,9 @@ from runtime.model.sharding import constrain
 ACT_HEAD_GATES = ("batch", "length", "heads")
 
 
-def _q(cfg: ModelConfig) -> Qwen3NextConfig:
-    assert cfg.qwen3_next is not None, "qwen3_next needs model.qwen3_next"
+def settings(cfg: ModelConfig) -> Qwen3NextConfig:
+    """The family's own table ([model.qwen3_next])."""
+    assert isinstance(cfg, Qwen3NextModelConfig), "qwen3_next needs model.qwen3_next"
     return cfg.qwen3_next
 
 
@@ -88,7 +87,7 @@ class LayerKind(NamedTuple):
 
 
 def layer_kinds(cfg: ModelConfig) -> list[LayerKind]:
-    q = _q(cfg)
+    q = settings(cfg)
     types = q.resolved_layer_types(cfg.num_layers)
     moe = q.moe_layers(cfg.num_layers, cfg.num_experts)
     return [LayerKind(t == "linear_attention", m) for t, m in zip(types, moe, strict=True)]
@@ -96,7 +95,7 @@ def layer_kinds(cfg: ModelConfig) -> list[LayerKind]:
 
 def rotary_dim(cfg: ModelConfig) -> int:
     """Dims of the full-attention head that RoPE turns (HF: int(head_dim * factor))."""
-    return int(cfg.resolved_head_dim * _q(cfg).partial_rotary_factor)
+    return int(cfg.resolved_head_dim * settings(cfg).partial_rotary_factor)
 
 
 # ---- Gated DeltaNet -----------------------------------------------------------------------------
@@ -107,7 +106,7 @@ class CausalConv(nnx.Module):
     reads the current token, tap i the token K-1-i before it."""
 
     def __init__(self, cfg: ModelConfig, channels: int, *, rngs: nnx.Rngs, eager_sharding: bool):
-        k = _q(cfg).linear_conv_kernel_dim
+        k = settings(cfg).linear_conv_kernel_dim
         pd = dtype_of(cfg.param_dtype)
         self.kernel = normal_param(
             rngs, (k, channels), (None, None), cfg.init_std, pd, eager_sharding
@@ -163,7 +162,7 @@ class GatedDeltaNet(nnx.Module):
     are whole groups when `tensor` divides the key heads."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool):
-        q = _q(cfg)
+        q = settings(cfg)
         d = cfg.hidden_size
         self.hk, self.hv = q.linear_num_key_heads, q.linear_num_value_heads
         self.dk, self.dv = q.linear_key_head_dim, q.linear_value_head_dim
@@ -325,7 +324,7 @@ class SharedExpertMoE(SparseMoE):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool):
         super().__init__(cfg, rngs=rngs, eager_sharding=eager_sharding)
         kw = {"rngs": rngs, "eager_sharding": eager_sharding}
-        self.shared_expert = MLP(cfg, width=_q(cfg).shared_expert_intermediate_size, **kw)
+        self.shared_expert = MLP(cfg, width=settings(cfg).shared_expert_intermediate_size, **kw)
         self.shared_expert_gate = Dense(cfg.hidden_size, 1, ("embed", None), cfg, **kw)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
@@ -378,11 +377,6 @@ class Block(nnx.Module):
         return constrain(x + y, ACT_EMBED), new_cache, load
 
 
-def _block_forward(block: Block, x, cos, sin, segment_ids):
-    out, _, load = block(x, cos, sin, segment_ids)
-    return out, load
-
-
 class Qwen3NextCache(NamedTuple):
     """Decoding state, per layer in layer order: `k`/`v` [B, max_len, KV, hd] for the attention
     layers; `conv` [B, K-1, C] (the last conv inputs) and `state` [B, Hv, dk, dv] (fp32) for the
@@ -395,11 +389,8 @@ class Qwen3NextCache(NamedTuple):
     index: jax.Array
 
 
-class Decoder(nnx.Module):
-    """Qwen3-Next causal LM: token ids in, float32 logits out (the interface of qwen3.Decoder)."""
-
-    #: Qwen3-Next logits are not soft-capped.
-    logit_softcap: float | None = None
+class Decoder(DecoderBase):
+    """Qwen3-Next causal LM: token ids in, float32 logits out."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False):
         self.cfg = cfg
@@ -412,28 +403,10 @@ class Decoder(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, **kw)
 
-    def head_kernel(self) -> jax.Array:
-        """The LM head as [hidden, vocab] in compute dtype (the embedding's transpose when tied)."""
-        if self.cfg.tie_word_embeddings:
-            return self.embed_tokens.embedding[...].astype(self.compute_dtype).T
-        return self.lm_head.kernel[...].astype(self.compute_dtype)
-
-    def logits(self, h: jax.Array) -> jax.Array:
-        """Final-normed hidden states [B, T, D] -> float32 logits [B, T, vocab]."""
-        out = jnp.einsum("btd,dv->btv", h, self.head_kernel(), preferred_element_type=jnp.float32)
-        return constrain_logits(out)
-
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos/sin [B, T, rotary dims] of the full-attention layers, batch-sharded."""
         cos, sin = rope_tables(positions, rotary_dim(self.cfg), self.cfg.rope_theta)
         return constrain(cos, ACT_ROPE), constrain(sin, ACT_ROPE)
-
-    def __call__(self, inputs, positions, segment_ids=None) -> jax.Array:
-        return self.forward_with_loads(inputs, positions, segment_ids)[0]
-
-    def forward_with_loads(self, inputs, positions, segment_ids=None):
-        h, stats = self.forward_hidden(inputs, positions, segment_ids)
-        return self.logits(h), None if stats is None else stats.load
 
     def forward_hidden(
         self, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
@@ -443,14 +416,8 @@ class Decoder(nnx.Module):
         without any."""
         x = constrain(self.embed_tokens(inputs), ACT_EMBED)
         cos, sin = self._rope(positions)
-        policy = REMAT_POLICIES.get(self.cfg.remat)
-        fn = _block_forward if policy is None else partial(remat_call, policy, _block_forward)
-        loads = []
-        for block in self.layers:
-            x, load = fn(block, x, cos, sin, segment_ids)
-            if load is not None:
-                loads.append(load)
-        return constrain(self.norm(x), ACT_EMBED), stack_stats(loads)
+        x, stats = self.run_layers(x, cos, sin, segment_ids)
+        return self.final_norm(x), stats
 
     # ---- decoding -----------------------------------------------------------------------
 
@@ -479,15 +446,11 @@ class Decoder(nnx.Module):
         self, inputs: jax.Array, positions: jax.Array, cache: Qwen3NextCache
     ) -> tuple[jax.Array, Qwen3NextCache]:
         """T new tokens against the cache (a prefill, or a step with T = 1), like
-        qwen3.Decoder.decode; the caller keeps index + T <= max_len."""
+        qwen3.decoder.Decoder.decode; the caller keeps index + T <= max_len."""
         t = inputs.shape[1]
         x = constrain(self.embed_tokens(inputs), ACT_EMBED)
         cos, sin = self._rope(positions)
-        mask = None
-        if cache.k:
-            max_len = cache.k[0].shape[1]
-            q_slots = cache.index + jnp.arange(t)
-            mask = (jnp.arange(max_len)[None, :] <= q_slots[:, None])[None]
+        mask = cache_mask(cache.index, t, cache.k[0].shape[1]) if cache.k else None
         ks, vs, convs, states = list(cache.k), list(cache.v), list(cache.conv), list(cache.state)
         a = d = 0
         for block in self.layers:
@@ -497,96 +460,9 @@ class Decoder(nnx.Module):
             else:
                 x, (ks[a], vs[a]), _ = block(x, cos, sin, None, (ks[a], vs[a]), cache.index, mask)
                 a += 1
-        h = constrain(self.norm(x), ACT_EMBED)
         new = Qwen3NextCache(tuple(ks), tuple(vs), tuple(convs), tuple(states), cache.index + t)
-        return self.logits(h), new
+        return self.logits(self.final_norm(x)), new
 
 
 def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Decoder:
     return Decoder(cfg, rngs=rngs, eager_sharding=eager_sharding)
-
-
-def check_config(cfg: ModelConfig) -> None:
-    from jobspec.run_config import qwen3_next_problem
-
-    problem = qwen3_next_problem(cfg)
-    if problem:
-        raise ValueError(problem)
-
-
-# ---- counts -------------------------------------------------------------------------------------
-
-
-def _deltanet_params(cfg: ModelConfig) -> int:
-    q = _q(cfg)
-    d, hk, hv = cfg.hidden_size, q.linear_num_key_heads, q.linear_num_value_heads
-    dk, dv = q.linear_key_head_dim, q.linear_value_head_dim
-    qkvz = d * (2 * hk * dk + 2 * hv * dv)
-    ba = d * 2 * hv
-    conv = q.linear_conv_kernel_dim * (2 * hk * dk + hv * dv)
-    return qkvz + ba + conv + 2 * hv + dv + hv * dv * d  # + A_log, dt_bias, norm, out_proj
-
-
-def _attention_params(cfg: ModelConfig) -> int:
-    d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-    return d * h * hd * 2 + 2 * d * kvh * hd + h * hd * d + 2 * hd
-
-
-def _mlp_params(cfg: ModelConfig, moe: bool) -> tuple[int, int]:
-    """(total, active per token) parameters of one layer's MLP."""
-    d = cfg.hidden_size
-    if not moe:
-        dense = 3 * d * cfg.intermediate_size
-        return dense, dense
-    e, k, f = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    assert e is not None and k is not None and f is not None
-    shared = 3 * d * _q(cfg).shared_expert_intermediate_size + d  # + shared_expert_gate
-    return d * e + 3 * d * f * e + shared, d * e + 3 * d * f * k + shared
-
-
-def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts; active_non_embedding counts the k routed experts a token uses (FLOPs).
-    The router bias is not a parameter and is not counted."""
-    d, v = cfg.hidden_size, cfg.vocab_size
-    blocks = active = 0
-    for kind in layer_kinds(cfg):
-        mixer = _deltanet_params(cfg) if kind.linear else _attention_params(cfg)
-        mlp, mlp_active = _mlp_params(cfg, kind.moe)
-        blocks += mixer + mlp + 2 * d
-        active += mixer + mlp_active + 2 * d
-    embedding = v * d
-    lm_head = 0 if cfg.tie_word_embeddings else v * d
-    return {
-        "total": embedding + lm_head + blocks + d,
-        "embedding": embedding,
-        "lm_head": lm_head,
-        "non_embedding": blocks + d,
-        "active_non_embedding": active + d,
-    }
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
-    """6 * N + attention (runtime/model/flops.py's convention), N the active non-embedding
-    parameters plus the head matmul. Full-attention layers add 12 * T * H * head_dim (QK^T and
-    AV over T keys); DeltaNet layers have no T^2 term: per token and value head the recurrence
-    reads the state with k, writes k u^T and reads it with q, 3 products of 2 * dk * dv FLOPs,
-    18 * Hv * dk * dv forward + backward, whatever T (the chunked form's within-chunk products
-    are counted the same way, as the recurrence they compute)."""
-    q = _q(cfg)
-    counts = param_count(cfg)
-    n = counts["active_non_embedding"] + cfg.vocab_size * cfg.hidden_size
-    full = 12 * seq_len * cfg.num_heads * cfg.resolved_head_dim
-    linear = 18 * q.linear_num_value_heads * q.linear_key_head_dim * q.linear_value_head_dim
-    mixing = sum(linear if kind.linear else full for kind in layer_kinds(cfg))
-    return {"params_counted": n, "dense": 6 * n, "attention": mixing, "total": 6 * n + mixing}
-
-
-def mlp_activations(cfg: ModelConfig) -> int:
-    """MLP values per token and layer kept for backward: the dense MLP, or the dense dispatch's
-    [E, moe_intermediate] hiddens plus the shared expert's, whichever is larger."""
-    out = 3 * cfg.intermediate_size
-    if any(kind.moe for kind in layer_kinds(cfg)):
-        assert cfg.num_experts is not None and cfg.moe_intermediate_size is not None
-        shared = 3 * _q(cfg).shared_expert_intermediate_size
-        out = max(out, 3 * cfg.num_experts * cfg.moe_intermediate_size + shared)
-    return out

@@ -35,7 +35,7 @@ exported) that the forward reads through `stop_gradient`, so its gradient is exa
 AdamW (no weight decay on 1-D parameters) leaves it bit-for-bit unchanged.
 
 The layers are never scanned (they differ in head dim, K/V ownership and MLP width): `layers` is
-an `nnx.List`, paths `layers.{i}.…` mirroring HF's names (table in runtime/hf/names.py).
+an `nnx.List`, paths `layers.{i}.…` mirroring HF's names (table in hf_names.py).
 Decoding keeps a cache only for layers that own K/V (`Gemma4Cache`): full layers `max_len`
 slots, sliding layers a ring of min(sliding_window, max_len) slots; shared layers reuse their
 source's keys, values and mask.
@@ -43,7 +43,6 @@ source's keys, values and mask.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -52,8 +51,10 @@ from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jobspec.run_config import Gemma4Config, ModelConfig, gemma4_kv_sources
+from jobspec.families.gemma4_text import Gemma4Config, Gemma4TextModelConfig, gemma4_kv_sources
+from jobspec.families.model_config import ModelConfig
 from runtime.model import attention, moe_dispatch
+from runtime.model.decoder import DecoderBase
 from runtime.model.layers import (
     ACT_EMBED,
     ACT_EXPERT,
@@ -62,14 +63,10 @@ from runtime.model.layers import (
     ACT_KV_HEADS,
     ACT_MLP,
     ACT_ROPE,
-    REMAT_POLICIES,
     Dense,
-    constrain_logits,
     dtype_of,
     normal_param,
-    remat_call,
     rope_tables,
-    softcap,
 )
 from runtime.model.moe import MoEStats, _top_k_onehot, assignment_load, run_experts, stack_stats
 from runtime.model.sharding import constrain
@@ -78,8 +75,9 @@ from runtime.model.sharding import constrain
 ACT_PER_LAYER = ("batch", "length", None, None)
 
 
-def _g(cfg: ModelConfig) -> Gemma4Config:
-    assert cfg.gemma4 is not None, "gemma4_text needs model.gemma4"
+def settings(cfg: ModelConfig) -> Gemma4Config:
+    """The family's own table ([model.gemma4])."""
+    assert isinstance(cfg, Gemma4TextModelConfig), "gemma4_text needs model.gemma4"
     return cfg.gemma4
 
 
@@ -151,7 +149,7 @@ class LayerShape(NamedTuple):
 
 
 def layer_shapes(cfg: ModelConfig) -> list[LayerShape]:
-    g = _g(cfg)
+    g = settings(cfg)
     types = g.resolved_layer_types(cfg.num_layers)
     sources = gemma4_kv_sources(types, g.num_kv_shared_layers)
     out = []
@@ -180,7 +178,7 @@ class Attention(nnx.Module):
         d, h, hd, kvh = cfg.hidden_size, cfg.num_heads, shape.head_dim, shape.kv_heads
         kw = {"rngs": rngs, "eager_sharding": eager_sharding}
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
-        self.window = _g(cfg).sliding_window if shape.sliding else None
+        self.window = settings(cfg).sliding_window if shape.sliding else None
         self.impl = cfg.attention
         self.compute_dtype = dtype_of(cfg.compute_dtype)
         self.q_proj = Dense(d, h * hd, ("embed", "heads"), cfg, **kw)
@@ -292,7 +290,7 @@ class Router(nnx.Module):
     """HF Gemma4TextRouter: `proj.kernel` [D, E], `scale` [D], `per_expert_scale` [E]."""
 
     def __init__(self, cfg: ModelConfig, *, rngs, eager_sharding):
-        g = _g(cfg)
+        g = settings(cfg)
         d, e = cfg.hidden_size, g.num_experts
         self.top_k = g.top_k_experts
         self.norm = Norm(d, cfg, eager_sharding=eager_sharding, with_scale=False)
@@ -325,7 +323,7 @@ class Experts(nnx.Module):
     """Fused gelu-tanh experts in HF's layout, every expert run on every token (dense dispatch)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs, eager_sharding):
-        g = _g(cfg)
+        g = settings(cfg)
         e, d, f = g.num_experts, cfg.hidden_size, g.moe_intermediate_size
         self.width = f
         self.gate_up_proj = _param(
@@ -353,7 +351,7 @@ class Experts(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, i: int, shape: LayerShape, *, rngs, eager_sharding):
-        g = _g(cfg)
+        g = settings(cfg)
         d = cfg.hidden_size
         kw = {"rngs": rngs, "eager_sharding": eager_sharding}
 
@@ -444,11 +442,11 @@ def _block_forward(block: Block, x, cos, sin, seg, pli, shared):
     return out, published[:2], load
 
 
-class Decoder(nnx.Module):
-    """Gemma 4 causal LM: token ids in, float32 logits out (the interface of qwen3.Decoder)."""
+class Decoder(DecoderBase):
+    """Gemma 4 causal LM: token ids in, float32 logits out, soft-capped when configured."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False):
-        g = _g(cfg)
+        g = settings(cfg)
         self.cfg = cfg
         self.compute_dtype = dtype_of(cfg.compute_dtype)
         self.shapes = tuple(layer_shapes(cfg))
@@ -469,7 +467,7 @@ class Decoder(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense(d, cfg.vocab_size, ("embed", "vocab"), cfg, **kw)
 
-    # ---- embeddings and head ------------------------------------------------------------
+    # ---- embeddings ---------------------------------------------------------------------
 
     def _scaled_lookup(self, table: jax.Array, ids: jax.Array, scale: float) -> jax.Array:
         # HF multiplies in the weight dtype (sqrt(3072) becomes 55.5 in bf16).
@@ -492,24 +490,11 @@ class Decoder(nnx.Module):
         proj = self.per_layer_projection_norm(constrain(proj.reshape(b, t, n, p), ACT_PER_LAYER))
         return x, constrain((proj + tok) * jnp.asarray(2.0**-0.5, x.dtype), ACT_PER_LAYER)
 
-    def head_kernel(self) -> jax.Array:
-        """The LM head as [hidden, vocab] in compute dtype (the embedding's transpose when tied)."""
-        if self.cfg.tie_word_embeddings:
-            return self.embed_tokens.embedding[...].astype(self.compute_dtype).T
-        return self.lm_head.kernel[...].astype(self.compute_dtype)
-
-    def logits(self, h: jax.Array) -> jax.Array:
-        """Final-normed hidden states [B, T, D] -> float32 logits, soft-capped when configured."""
-        out = jnp.einsum("btd,dv->btv", h, self.head_kernel(), preferred_element_type=jnp.float32)
-        if self.logit_softcap is not None:
-            out = softcap(out, self.logit_softcap)
-        return constrain_logits(out)
-
     # ---- forward ------------------------------------------------------------------------
 
     def _ropes(self, positions: jax.Array) -> dict[bool, tuple[jax.Array, jax.Array]]:
         """cos/sin per attention type (key: sliding?) for the types present."""
-        g = _g(self.cfg)
+        g = settings(self.cfg)
         out = {}
         for sliding in sorted({s.sliding for s in self.shapes}):
             if sliding:
@@ -521,13 +506,6 @@ class Decoder(nnx.Module):
                 out[False] = rope(positions, hd, g.global_rope_theta, rotated)
         return out
 
-    def __call__(self, inputs, positions, segment_ids=None) -> jax.Array:
-        return self.forward_with_loads(inputs, positions, segment_ids)[0]
-
-    def forward_with_loads(self, inputs, positions, segment_ids=None):
-        h, stats = self.forward_hidden(inputs, positions, segment_ids)
-        return self.logits(h), None if stats is None else stats.load
-
     def forward_hidden(
         self, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
     ) -> tuple[jax.Array, MoEStats | None]:
@@ -535,8 +513,7 @@ class Decoder(nnx.Module):
         [L, E], dropped [L]; None without MoE)."""
         x, pli = self._embed(inputs)
         ropes = self._ropes(positions)
-        policy = REMAT_POLICIES.get(self.cfg.remat)
-        fn = _block_forward if policy is None else partial(remat_call, policy, _block_forward)
+        fn = self.remat(_block_forward)
         published: dict[int, tuple] = {}
         loads = []
         for i, block in enumerate(self.layers):
@@ -549,7 +526,7 @@ class Decoder(nnx.Module):
             if src == i and i in self.sources[i + 1 :]:
                 published[i] = kv
             loads.append(load)
-        return constrain(self.norm(x), ACT_EMBED), stack_stats(loads)
+        return self.final_norm(x), stack_stats(loads)
 
     # ---- decoding -----------------------------------------------------------------------
 
@@ -559,7 +536,7 @@ class Decoder(nnx.Module):
         for i, s in enumerate(self.shapes):
             if s.source != i:
                 continue
-            slots = min(_g(self.cfg).sliding_window, max_len) if s.sliding else max_len
+            slots = min(settings(self.cfg).sliding_window, max_len) if s.sliding else max_len
             ks.append(jnp.zeros((batch, slots, s.kv_heads, s.head_dim), dtype))
         return Gemma4Cache(
             k=tuple(ks), v=tuple(jnp.zeros_like(k) for k in ks), index=jnp.zeros((), jnp.int32)
@@ -568,8 +545,8 @@ class Decoder(nnx.Module):
     def decode(
         self, inputs: jax.Array, positions: jax.Array, cache: Gemma4Cache
     ) -> tuple[jax.Array, Gemma4Cache]:
-        """T new tokens against the cache (prefill or one step), like qwen3.Decoder.decode; the
-        caller keeps index + T <= max_len."""
+        """T new tokens against the cache (prefill or one step), like
+        qwen3.decoder.Decoder.decode; the caller keeps index + T <= max_len."""
         x, pli = self._embed(inputs)
         ropes = self._ropes(positions)
         published: dict[int, tuple] = {}
@@ -586,102 +563,11 @@ class Decoder(nnx.Module):
                 slot += 1
             else:
                 x, _, _, _ = block(x, cos, sin, None, p, published[src])
-        h = constrain(self.norm(x), ACT_EMBED)
         t = inputs.shape[1]
-        return self.logits(h), Gemma4Cache(tuple(new_k), tuple(new_v), cache.index + t)
+        return self.logits(self.final_norm(x)), Gemma4Cache(
+            tuple(new_k), tuple(new_v), cache.index + t
+        )
 
 
 def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Decoder:
     return Decoder(cfg, rngs=rngs, eager_sharding=eager_sharding)
-
-
-def check_config(cfg: ModelConfig) -> None:
-    from jobspec.run_config import gemma4_problem
-
-    problem = gemma4_problem(cfg)
-    if problem:
-        raise ValueError(problem)
-
-
-# ---- counts ----------------------------------------------------------------------------------
-
-
-def _layer_counts(cfg: ModelConfig, s: LayerShape, i: int) -> tuple[int, int, int]:
-    """(attention, MLP and MoE total, MLP and MoE active per token) parameters of layer i,
-    norms and scalars included in attention's share."""
-    g = _g(cfg)
-    d, h = cfg.hidden_size, cfg.num_heads
-    attn = d * h * s.head_dim * 2 + s.head_dim  # q_proj, o_proj, q_norm
-    if s.source == i:
-        attn += d * s.kv_heads * s.head_dim * (1 if s.k_eq_v else 2) + s.head_dim  # k/v, k_norm
-    attn += 4 * d + 1  # the four sandwich norms and layer_scalar
-    mlp = 3 * d * s.mlp_width
-    active = mlp
-    if g.hidden_size_per_layer_input:
-        p = g.hidden_size_per_layer_input
-        attn += 2 * d * p + d
-    if g.enable_moe_block:
-        e, k, f = g.num_experts, g.top_k_experts, g.moe_intermediate_size
-        router = d * e + d + e
-        mlp += router + 3 * d * f * e + 3 * d
-        active += router + 3 * d * f * k + 3 * d
-    return attn, mlp, active
-
-
-def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts; `embedding` holds both lookup tables (the per-layer one included),
-    `per_layer_embedding` the second alone; active_non_embedding counts k experts per token."""
-    g = _g(cfg)
-    d, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
-    blocks = active = 0
-    for i, s in enumerate(layer_shapes(cfg)):
-        attn, mlp, act = _layer_counts(cfg, s, i)
-        blocks += attn + mlp
-        active += attn + act
-    per_layer_table = 0
-    top = d  # final norm
-    if g.hidden_size_per_layer_input:
-        p = g.hidden_size_per_layer_input
-        per_layer_table = (g.vocab_size_per_layer_input or v) * n * p
-        top += d * n * p + p
-    embedding = v * d + per_layer_table
-    lm_head = 0 if cfg.tie_word_embeddings else v * d
-    non_embedding = blocks + top
-    return {
-        "total": embedding + lm_head + non_embedding,
-        "embedding": embedding,
-        "per_layer_embedding": per_layer_table,
-        "lm_head": lm_head,
-        "non_embedding": non_embedding,
-        "active_non_embedding": active + top,
-    }
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
-    """6 * N + attention, N the active non-embedding parameters plus the head matmul; attention
-    12 * H * hd * keys per layer, keys = min(window, T) on sliding layers (sliding-window
-    attention counted as what it computes), T on full ones (runtime/model/flops.py's convention)."""
-    g = _g(cfg)
-    counts = param_count(cfg)
-    n = counts["active_non_embedding"] + cfg.vocab_size * cfg.hidden_size
-    attention_flops = 0
-    for s in layer_shapes(cfg):
-        keys = min(g.sliding_window, seq_len) if s.sliding else seq_len
-        attention_flops += 12 * keys * cfg.num_heads * s.head_dim
-    return {
-        "params_counted": n,
-        "dense": 6 * n,
-        "attention": attention_flops,
-        "total": 6 * n + attention_flops,
-    }
-
-
-def mlp_activations(cfg: ModelConfig) -> int:
-    """MLP values per token and layer kept for backward: the widest dense MLP, plus every
-    expert's [E, 2I] hidden under the dense dispatch."""
-    g = _g(cfg)
-    widest = max(s.mlp_width for s in layer_shapes(cfg))
-    out = 3 * widest
-    if g.enable_moe_block:
-        out += 3 * g.num_experts * g.moe_intermediate_size
-    return out

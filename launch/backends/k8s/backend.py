@@ -13,7 +13,10 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from k8s.render import (
+from jobspec.errors import ConfigError
+from jobspec.run_config import check_dns_label
+from launch.backend import Handle, RenderedFile, Submission, tail_lines
+from launch.backends.k8s.render import (
     COMPLETION_INDEX_KEY,
     CONTAINER,
     COORDINATOR_PORT,
@@ -25,17 +28,18 @@ from k8s.render import (
     render_manifests,
     to_yaml,
 )
-from launch.backend import Handle, RenderedFile, Submission, tail_lines
 
 if TYPE_CHECKING:
     from kubernetes import client as k8s_client
 
-    from k8s.client import K8sClient
+    from launch.backends.k8s.client import K8sClient
 
 
 class K8sBackend:
     name = "k8s"
     writes_run_files = False  # the config goes to a ConfigMap; `launch submit` keeps the copy
+    handle_keys = ("namespace", "jobset")
+    cli_options = ("context", "namespace")  # the kube context; a namespace over k8s.namespace
 
     def __init__(
         self,
@@ -47,8 +51,13 @@ class K8sBackend:
         coordinator_port: int = COORDINATOR_PORT,
         poll_s: float = 2.0,
     ) -> None:
+        if namespace is not None:  # it replaces k8s.namespace, which the job spec checks
+            try:
+                check_dns_label(namespace, "--namespace ")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.context = context
-        self.namespace = namespace  # overrides spec.k8s.namespace
+        self.namespace = namespace
         self._api_client = api_client
         self._configuration = configuration
         self.coordinator_port = coordinator_port
@@ -69,7 +78,7 @@ class K8sBackend:
         ]
 
     def _client(self, context: str | None) -> tuple[K8sClient, str | None]:
-        from k8s.client import K8sClient, connect
+        from launch.backends.k8s.client import K8sClient, connect
 
         if self._api_client is not None:
             return K8sClient(self._api_client), context
@@ -82,7 +91,7 @@ class K8sBackend:
         return self._client(handle.data.get("context") or self.context)[0]
 
     def submit(self, sub: Submission) -> Handle:
-        from k8s.client import K8sError
+        from launch.backends.k8s.client import K8sError
 
         m = self.manifests(sub)  # a ConfigError before anything reaches the cluster
         c, context = self._client(self.context)
@@ -150,7 +159,7 @@ class K8sBackend:
     def _pod_lines(
         self, c: K8sClient, ns: str, h: int, pod: dict, *, follow: bool, tail: int | None
     ) -> Iterator[str]:
-        from k8s.client import K8sError
+        from launch.backends.k8s.client import K8sError
 
         name = pod["metadata"]["name"]
         while True:
@@ -337,7 +346,7 @@ def saved_logs(
     """Lines of the latest attempt's host logs that every runtime host tees to
     `<output_uri>/<run_id>/logs/attempt-<n>/host-<i>.log`."""
     from jobspec.storage import PARTS_SUFFIX, join, read_parted, url_to_fs
-    from k8s.client import K8sError
+    from launch.backends.k8s.client import K8sError
 
     root = join(output_uri, run_id, "logs")
     fs, path = url_to_fs(root)

@@ -1,1 +1,0 @@
-"""The Kubernetes backend: JobSet rendering, submission, status and logs via the official client."""

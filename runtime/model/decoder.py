@@ -1,0 +1,100 @@
+"""The forward plumbing every family's decoder shares (the interface is `registry.Decoder`).
+
+A family's decoder subclasses `DecoderBase` and builds `embed_tokens` (an `embedding` table
+[vocab, hidden]), `layers`, `norm` and, untied, `lm_head`; it implements `forward_hidden`,
+`init_cache` and `decode`. Given those, the base supplies the logits (the head, tied or not, and
+an optional soft-cap), the plain and the expert-load forward, the layers run one by one under
+the configured remat, and the causal mask over a decoding cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from runtime.model.layers import ACT_EMBED, REMAT_POLICIES, constrain_logits, remat_call, softcap
+from runtime.model.moe import MoEStats, stack_stats
+from runtime.model.sharding import constrain
+
+
+def cache_mask(index: jax.Array, t: int, slots: int) -> jax.Array:
+    """[1, T, slots]: each of the T new tokens (at slots index..index+T-1) sees the slots up to
+    its own."""
+    q_slots = index + jnp.arange(t)
+    return (jnp.arange(slots)[None, :] <= q_slots[:, None])[None]
+
+
+def _layer_forward(layer: nnx.Module, x: jax.Array, *args: Any) -> tuple[jax.Array, Any]:
+    """A layer that returns (x, its decoding cache, its MoE stats or None) -> (x, stats)."""
+    out, _, stats = layer(x, *args)
+    return out, stats
+
+
+class DecoderBase(nnx.Module):
+    """Token ids in, float32 logits out; a family sets `cfg` (its ModelConfig) and
+    `compute_dtype`, and adds what the module docstring lists."""
+
+    #: Logits become c * tanh(logits / c) when set (Gemma 4's final_logit_softcapping); the
+    #: train step's chunked loss reads it too.
+    logit_softcap: float | None = None
+
+    def forward_hidden(
+        self, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, MoEStats | None]:
+        raise NotImplementedError(type(self).__name__)
+
+    def head_kernel(self) -> jax.Array:
+        """The LM head as [hidden, vocab] in compute dtype (the embedding's transpose when tied)."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.embedding[...].astype(self.compute_dtype).T
+        return self.lm_head.kernel[...].astype(self.compute_dtype)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final-normed hidden states [B, T, D] -> float32 logits [B, T, vocab], pinned to batch
+        sharding (vocab over `tensor`); T may be a chunk of the sequence."""
+        # fp32 accumulation and output: the loss is computed in fp32 whatever compute_dtype is.
+        out = jnp.einsum("btd,dv->btv", h, self.head_kernel(), preferred_element_type=jnp.float32)
+        if self.logit_softcap is not None:
+            out = softcap(out, self.logit_softcap)
+        return constrain_logits(out)
+
+    def __call__(
+        self, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """inputs, positions, segment_ids: int32 [B, T] -> float32 logits [B, T, vocab].
+
+        Attention is causal over the T axis and, given segment_ids, limited to equal segment ids;
+        positions only feed RoPE (the caller restarts them per packed document).
+        """
+        return self.forward_with_loads(inputs, positions, segment_ids)[0]
+
+    def forward_with_loads(
+        self, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """Like `__call__`, plus the expert loads: fp32 [MoE layers, experts], each row the
+        fraction of that layer's token->expert assignments per expert; None without MoE."""
+        h, stats = self.forward_hidden(inputs, positions, segment_ids)
+        return self.logits(h), None if stats is None else stats.load
+
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        return constrain(self.norm(x), ACT_EMBED)
+
+    def remat(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """fn(layer, ...) under the configured remat policy (`model.remat`); fn itself without."""
+        policy = REMAT_POLICIES.get(self.cfg.remat)
+        return fn if policy is None else partial(remat_call, policy, fn)
+
+    def run_layers(self, x: jax.Array, *args: Any) -> tuple[jax.Array, MoEStats | None]:
+        """x through every layer of `layers` (each called as layer(x, *args, ...) -> (x, cache,
+        stats)) under the remat policy -> (x, the MoE layers' stats stacked in layer order)."""
+        forward = self.remat(_layer_forward)
+        stats = []
+        for layer in self.layers:
+            x, s = forward(layer, x, *args)
+            stats.append(s)
+        return x, stack_stats(stats)

@@ -1,0 +1,17 @@
+"""The "qwen3_next" family (Qwen3-Next's hybrid decoder): `decoder.py` its modules (over
+runtime/model/deltanet.py and moe.py), `hf_names.py` its HF name map, `counts.py` its parameter
+counts and FLOPs. Below, what runtime/model/registry.py reads of the family; its contract is
+jobspec/families/qwen3_next.py."""
+
+from runtime.model.qwen3_next.counts import flops_per_token, mlp_activations, param_count
+from runtime.model.qwen3_next.decoder import build
+from runtime.model.qwen3_next.hf_names import HF_IGNORED_PREFIXES, hf_names
+
+__all__ = [
+    "HF_IGNORED_PREFIXES",
+    "build",
+    "flops_per_token",
+    "hf_names",
+    "mlp_activations",
+    "param_count",
+]

@@ -1,0 +1,71 @@
+"""The qwen3_next family's HF name map (`Qwen3NextForCausalLM`; unrolled layers only).
+
+DeltaNet layers: `linear_attn.{in_proj_qkvz,in_proj_ba,out_proj}` transpose as every
+projection (their outputs keep HF's per-key-head-group order); `conv1d.weight` [C, 1, K] is
+our `conv1d.kernel` [K, C] (unit axis dropped, then transposed); `A_log`, `dt_bias` and the
+gated norm's weight copy as they are. Attention layers: qwen3's names (`q_proj` is twice the
+query width: [q | gate] per head). MoE layers: qwen3_moe's router and per-expert tensors as
+HF saves them (`mlp.experts.{e}.{gate,up,down}_proj.weight`), plus `mlp.shared_expert.*` and
+`mlp.shared_expert_gate.weight` [1, hidden]; dense layers: `mlp.{gate,up,down}_proj`.
+MTP (multi-token prediction) tensors a checkpoint may carry are skipped on import:
+`HF_IGNORED_PREFIXES`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from jobspec.families.model_config import ModelConfig
+from runtime.hf.names import Entry, ends, in_layer
+from runtime.model.qwen3_next.decoder import layer_kinds
+
+HF_IGNORED_PREFIXES: tuple[str, ...] = ("mtp.",)
+
+
+def hf_names(cfg: ModelConfig) -> list[Entry]:
+    out = ends(cfg)
+    for i, kind in enumerate(layer_kinds(cfg)):
+        at = partial(in_layer, cfg, i)
+        if kind.linear:
+            la = "linear_attn"
+            out += [
+                at((la, n, "kernel"), f"{la}.{n}.weight", True)
+                for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")
+            ]
+            out.append(at((la, "conv1d", "kernel"), f"{la}.conv1d.weight", True, hf_unit_axis=1))
+            out += [at((la, n), f"{la}.{n}", False) for n in ("A_log", "dt_bias")]
+            out.append(at((la, "norm", "scale"), f"{la}.norm.weight", False))
+        else:
+            out += [
+                at(("self_attn", f"{n}_proj", "kernel"), f"self_attn.{n}_proj.weight", True)
+                for n in "qkvo"
+            ]
+            out += [
+                at(("self_attn", f"{n}_norm", "scale"), f"self_attn.{n}_norm.weight", False)
+                for n in "qk"
+            ]
+        out += [
+            at((n, "scale"), f"{n}.weight", False)
+            for n in ("input_layernorm", "post_attention_layernorm")
+        ]
+        if not kind.moe:
+            out += [
+                at(("mlp", f"{n}_proj", "kernel"), f"mlp.{n}_proj.weight", True)
+                for n in ("gate", "up", "down")
+            ]
+            continue
+        assert cfg.num_experts is not None
+        out.append(at(("mlp", "gate", "kernel"), "mlp.gate.weight", True))
+        for e in range(cfg.num_experts):
+            out += [
+                at(("mlp", "experts", f"{n}_proj"), f"mlp.experts.{e}.{n}_proj.weight", True, e)
+                for n in ("gate", "up", "down")
+            ]
+        out += [
+            at(("mlp", "shared_expert", f"{n}_proj", "kernel"), f"mlp.shared_expert.{n}_proj.weight", True)
+            for n in ("gate", "up", "down")
+        ]  # fmt: skip
+        out.append(
+            at(("mlp", "shared_expert_gate", "kernel"), "mlp.shared_expert_gate.weight", True)
+        )
+    return out

@@ -1,0 +1,175 @@
+"""An attempt's start: the run's store (and its one live owner), then the train state, fresh or
+restored from a committed checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jobspec.errors import CheckpointError, ConfigError
+from jobspec.run_config import RunConfig
+from jobspec.run_dir import CHECKPOINTS
+from jobspec.run_store import ArtifactStore
+from jobspec.storage import RetryPolicy, join
+from runtime.host import boot
+from runtime.model.sharding import replicated
+from runtime.observe import ledger as buckets
+from runtime.observe.ledger import TimeLedger
+from runtime.observe.startup_log import StartupLog
+from runtime.run import artifacts, owner
+from runtime.run.checkpoint import CheckpointService, UnreadableCheckpointError, reconciled_entries
+from runtime.run.compat import check_compatible
+from runtime.train.optim import build_optimizer
+from runtime.train.state import (
+    TrainState,
+    abstract_opt_state,
+    new_state,
+    restored_state,
+    state_shardings,
+)
+
+
+@dataclass
+class InitialState:
+    """Where an attempt starts."""
+
+    state: TrainState
+    shardings: Any  # the state's sharding tree
+    step: int  # the committed step resumed from; 0 for a fresh run
+    decay_steps: int  # the schedule length fixed by the first attempt
+    data_state: dict | None  # the loader's state at `step`
+    skipped_steps: int  # skip_step's count so far
+
+
+def open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[ArtifactStore, bool]:
+    """The run's store, after checking that starting or resuming is what the index allows.
+
+    Reads checkpoints/index.json and the committed step folders only; Orbax is not touched until the config and data are known
+    to fit, so a bad input ends before any checkpoint machinery starts.
+    """
+    retry = RetryPolicy(total_s=cfg.runtime.storage_retry_s)
+    store = ArtifactStore(
+        join(cfg.run.output_uri, cfg.run.id),
+        process_index=jax.process_index(),
+        writer_index=writer_index,
+        retry=retry,
+    )
+    store.check_writable()
+    # Before anything in the run changes (index repair, Orbax's tmp cleanup, artifacts): one
+    # live owner per run; every host gets the writer's answer (run/owner.py).
+    owner.claim_run(
+        store.root_uri,
+        run_id=cfg.run.id,
+        is_writer=store.is_writer,
+        lease_s=cfg.runtime.owner_lease_s,
+        timeout_s=cfg.runtime.boot_timeout_s,
+        retry=retry,
+    )
+    # The index as disk has it (a crash between Orbax's commit and the index write still counts).
+    has_ckpt = bool(reconciled_entries(store))
+    if resume == "auto":  # a restarted attempt continues; a first attempt starts
+        return store, has_ckpt
+    if not resume and has_ckpt:
+        raise ConfigError(
+            f"run {cfg.run.id!r} already has checkpoints at {store.uri(CHECKPOINTS)}; pass --resume "
+            "to continue it, or set a new run.id"
+        )
+    if resume and not has_ckpt:
+        raise CheckpointError(
+            f"--resume was given but {store.uri(CHECKPOINTS)} holds no committed checkpoint; "
+            "run without --resume to start the run"
+        )
+    return store, bool(resume)
+
+
+def initial_state(
+    cfg: RunConfig,
+    resume: bool,
+    reshard: bool,
+    ckpt: CheckpointService,
+    fp: dict,
+    parts,
+    mesh,
+    ledger: TimeLedger,
+    from_step: int | None = None,
+    say: StartupLog | None = None,
+) -> InitialState:
+    """The state of a fresh or resumed attempt.
+
+    `from_step` resumes from that committed step instead of the latest, and discards the later
+    ones once it has been read (never before: a bad choice must not cost the newer ones).
+    """
+    total_steps = cfg.training.total_steps
+    # The optimizer state's structure does not depend on the schedule length, so the shardings
+    # can come from a provisional optimizer before a resumed run learns its decay_steps.
+    provisional, _ = build_optimizer(
+        cfg.optimizer, cfg.optimizer.schedule.decay_steps or total_steps
+    )
+    shardings = state_shardings(parts, provisional, mesh)
+    if not resume:
+        state = new_state(parts, provisional, shardings, cfg.run.seed)
+        decay_steps = cfg.optimizer.schedule.decay_steps or total_steps
+        return InitialState(state, shardings, 0, decay_steps, None, 0)
+    # The newest intact step: a damaged newer one is said, recorded and discarded first.
+    start_step = ckpt.resume_step(from_step)
+    if say is not None:
+        say(f"restoring checkpoint {start_step}")
+    # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.
+    check_compatible(ckpt.fingerprint(start_step), fp, step=start_step, reshard=reshard)
+    fallback = "rollback" if boot.current() else "resume"
+    try:
+        with ledger.timing(buckets.RESTORE):
+            params, opt_state, meta = ckpt.restore(
+                start_step,
+                params_target=parts.params,
+                opt_state_target=abstract_opt_state(provisional, parts.params, shardings),
+                # A launched job (booted by `runtime worker`) is resumed by submitting it again.
+                fallback=fallback,
+            )
+            # Saves are finite (the loop checks first): NaN/inf read back is damage, said now
+            # rather than as a divergence at the first step.
+            if not _all_finite((params, opt_state), mesh):
+                raise ckpt.unreadable(
+                    start_step, "its arrays hold NaN or infinite values", fallback=fallback
+                )
+    except UnreadableCheckpointError as e:
+        # The run's own record made honest before the attempt ends: the index marks the step,
+        # the events say why, and the manifest no longer says completed or running.
+        try:
+            ckpt.mark_unreadable(e.step, e.cause)
+            artifacts.record_unreadable_checkpoint(ckpt.store, e.step, e.cause, str(e))
+        except Exception:  # noqa: BLE001 - the unreadable step matters more than its record
+            pass
+        raise
+    ckpt.mark_readable(start_step)
+    if from_step is not None:
+        _discard_later(ckpt, from_step)
+    state = restored_state(parts, params, opt_state, meta, shardings)
+    data_state = meta.data_state_for(jax.process_index())
+    return InitialState(
+        state, shardings, start_step, meta.decay_steps, data_state, meta.skipped_steps
+    )
+
+
+def _all_finite(tree: Any, mesh) -> bool:
+    """Whether every floating array of `tree` is finite: one small program, once per restore."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves:
+        return True
+    check = jax.jit(
+        lambda xs: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in xs])),
+        out_shardings=replicated(mesh),
+    )
+    return bool(np.asarray(jax.device_get(check(leaves))))
+
+
+def _discard_later(ckpt: CheckpointService, from_step: int) -> None:
+    """--from-step: the run branches off at `from_step`; the later checkpoints go, each said."""
+    discarded = ckpt.discard_after(from_step)
+    for s in discarded:
+        print(f"discarded checkpoint {s} (newer than --from-step {from_step})", flush=True)
+    artifacts.record_discarded_checkpoints(ckpt.store, discarded, from_step)

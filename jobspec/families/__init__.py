@@ -9,11 +9,9 @@ of a family (its modules, HF name map and counts) is `runtime/model/<family>/`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Union
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Discriminator,
     Tag,
     ValidatorFunctionWrapHandler,
@@ -21,14 +19,14 @@ from pydantic import (
 )
 
 from jobspec.families.gemma4_text import Gemma4TextModelConfig
-from jobspec.families.model_config import DEFAULT_FAMILY, ModelConfig
+from jobspec.families.model_config import DEFAULT_FAMILY, FAMILIES, ModelConfig
 from jobspec.families.qwen2 import Qwen2ModelConfig
 from jobspec.families.qwen3 import Qwen3ModelConfig
 from jobspec.families.qwen3_moe import Qwen3MoeModelConfig
 from jobspec.families.qwen3_next import Qwen3NextModelConfig
 
-FAMILIES: dict[str, type[ModelConfig]] = {
-    cls.family_name(): cls
+FAMILIES.update(
+    (cls.family_name(), cls)
     for cls in (
         Qwen3ModelConfig,
         Qwen3MoeModelConfig,
@@ -36,15 +34,7 @@ FAMILIES: dict[str, type[ModelConfig]] = {
         Qwen3NextModelConfig,
         Qwen2ModelConfig,
     )
-}
-
-
-class FamilyName(BaseModel):
-    """A `[model]` table's family alone: an unknown one fails at `family`, listing the known."""
-
-    model_config = ConfigDict(extra="ignore")
-    # The registry's names as one Literal, so the message lists them.
-    family: Literal[tuple(FAMILIES)] = DEFAULT_FAMILY
+)
 
 
 def _tag(value: Any) -> str | None:

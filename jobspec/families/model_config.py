@@ -10,13 +10,17 @@ key whatever the family, as it always has). Nothing here imports jax.
 
 from __future__ import annotations
 
+import functools
 import typing
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    BaseModel,
+    ConfigDict,
     Field,
     SerializationInfo,
     SerializerFunctionWrapHandler,
+    create_model,
     model_serializer,
     model_validator,
 )
@@ -29,19 +33,31 @@ DEFAULT_FAMILY = "qwen3"
 EXPERT_KEYS: tuple[str, ...] = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
-def _registry() -> dict[str, type[ModelConfig]]:
-    # The package registers every family; imported here, not at the top, because each family's
-    # module imports this one.
-    from jobspec.families import FAMILIES
+#: Every family's class by name, in registry order. Filled by `jobspec/families/__init__.py`
+#: (the registry, which imports each family's module); importing this module runs the package's
+#: `__init__` first, so it is complete before any config is validated. Kept here, not imported
+#: from the package, because each family's module imports this one.
+FAMILIES: dict[str, type[ModelConfig]] = {}
 
+
+def _registry() -> dict[str, type[ModelConfig]]:
     return FAMILIES
+
+
+@functools.cache
+def _family_name() -> type[BaseModel]:
+    """A `[model]` table's family alone: an unknown one fails at `family`, listing the known
+    (the registry's names as one Literal, so the message lists them)."""
+    return create_model(
+        "FamilyName",
+        __config__=ConfigDict(extra="ignore"),
+        family=(Literal[tuple(FAMILIES)], DEFAULT_FAMILY),
+    )
 
 
 def family_class(data: dict[str, Any]) -> type[ModelConfig]:
     """The class of the family `data` names; a ValidationError at `family` for an unknown one."""
-    from jobspec.families import FamilyName
-
-    return _registry()[FamilyName.model_validate(data).family]
+    return _registry()[_family_name().model_validate(data).family]
 
 
 def own_keys() -> dict[str, str]:

@@ -194,7 +194,7 @@ def measure(model: str, seq_len: int, batch: int, steps: int, sets: dict, profil
         jax.block_until_ready((state, out))
         dt = (time.perf_counter() - t0) / steps
         row["loss"] = float(out["loss"]) if isinstance(out, dict) and "loss" in out else None
-        tps = batch * seq_len / dt
+        tps = cfg.training.tokens_per_step / dt  # x gradient_accumulation_steps
         f = flops_per_token(cfg.model, seq_len)
         causal = f["total"] - f.get("attention", 0.0) / 2
         name, peak = device_peak(devices)

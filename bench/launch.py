@@ -58,21 +58,28 @@ def run_config(manifest: str, output_uri: str, devices: int, steps: int = 20) ->
     }  # fmt: skip
 
 
+# Per backend: the job spec's hardware keys for `hosts` hosts, devices per host, where runs go
+# (None: under the bench's temp folder) and the backend's options.
+_TARGETS: dict[str, tuple[Any, int, str | None, dict[str, Any]]] = {
+    "local": (lambda h: {"accelerator": "cpu", "hosts": h}, 1, None, {}),
+    "slurm": (lambda h: {"accelerator": "h100-80gb", "hosts": h}, 8, None, {}),
+    "k8s": (
+        lambda h: {"accelerator": TPU_V5P[h], "image": "example/jaxjob:1"},
+        4,
+        "gs://bench-bucket/runs",
+        {"context": None, "namespace": None},
+    ),
+}
+
+
 def job_for(backend: str, hosts: int, tmp: Path, manifest: str) -> Path:
-    if backend == "k8s":
-        spec: dict[str, Any] = {"accelerator": TPU_V5P[hosts], "image": "example/jaxjob:1"}
-        devices = hosts * 4
-    elif backend == "slurm":
-        spec = {"accelerator": "h100-80gb", "hosts": hosts}
-        devices = hosts * 8
-    else:
-        spec = {"accelerator": "cpu", "hosts": hosts}
-        devices = hosts
-    out = "gs://bench-bucket/runs" if backend == "k8s" else str(tmp / "runs")
+    hardware, per_host, out, _ = _TARGETS[backend]
     run_path = tmp / f"{backend}-{hosts}.toml"
-    run_path.write_text(tomli_w.dumps(run_config(manifest, out, devices)))
+    cfg = run_config(manifest, out or str(tmp / "runs"), hosts * per_host)
+    run_path.write_text(tomli_w.dumps(cfg))
     job = tmp / f"{backend}-{hosts}.yaml"
-    job.write_text(yaml.safe_dump({"name": f"bench-{backend}", "run": run_path.name, **spec}))
+    spec = {"name": f"bench-{backend}", "run": run_path.name, **hardware(hosts)}
+    job.write_text(yaml.safe_dump(spec))
     return job
 
 
@@ -84,8 +91,7 @@ def time_render(backend: str, hosts: int, tmp: Path, repeats: int) -> dict[str, 
         t0 = time.perf_counter()
         sub = prepare_submission(str(job), backend, registry)  # load, validate, mesh fit
         t1 = time.perf_counter()
-        opts = {"context": None, "namespace": None} if backend == "k8s" else {}
-        files = get_backend(backend, opts).render(sub)
+        files = get_backend(backend, _TARGETS[backend][3]).render(sub)
         t2 = time.perf_counter()
         load.append(t1 - t0)
         render.append(t2 - t1)
@@ -103,9 +109,9 @@ def time_render(backend: str, hosts: int, tmp: Path, repeats: int) -> dict[str, 
 
 def render_bench(tmp: Path, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for backend in ("local", "slurm", "k8s"):
+    for backend, (*_, opts) in _TARGETS.items():
         try:
-            get_backend(backend, {"context": None, "namespace": None} if backend == "k8s" else {})
+            get_backend(backend, opts)
         except JaxjobError as e:
             out[backend] = {"absent": str(e)}
             continue

@@ -322,6 +322,14 @@ class TrainingConfig(Section):
             "and dropped one chunk at a time (recomputed in the backward pass); 0 = whole sequence."
         ),
     )
+    logits_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description=(
+            "How the loss stores the LM head's logits (accumulated in float32 either way, softmax "
+            "in float32): bfloat16 halves their memory, as MaxText keeps them, so a large "
+            "vocabulary's whole-sequence loss (loss_chunk_size = 0) fits a smaller chip."
+        ),
+    )
 
     @field_validator("target_tokens", mode="before")
     @classmethod

@@ -200,6 +200,20 @@ class RetryPolicy:
 
 
 DEFAULT_RETRY = RetryPolicy()
+_process_policy = DEFAULT_RETRY
+
+
+def use_policy(policy: RetryPolicy) -> None:
+    """The policy of storage calls made deep inside libraries' threads (a run's data reads, in
+    Grain's readers), which no caller hands one: a run sets its runtime.storage_retry_s here once,
+    at its start."""
+    global _process_policy
+    _process_policy = policy
+
+
+def process_policy() -> RetryPolicy:
+    """The policy `use_policy` set (DEFAULT_RETRY until then)."""
+    return _process_policy
 
 
 # Called before each retry's wait: a host that retries storage is alive and working, so the

@@ -334,3 +334,33 @@ def test_fused_cross_entropy_with_softcap_equals_autodiff(chunk, monkeypatch):
     np.testing.assert_allclose(fused[3], plain[3], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(fused[4], plain[4], rtol=1e-5, atol=1e-6)
     assert np.abs(plain[4]).max() > 1e-2
+
+
+@pytest.mark.parametrize("chunk", [0, 6, 7])
+def test_bf16_logits_are_the_loss_of_rounded_logits(chunk):
+    """logits_dtype bfloat16: the loss and gradients are those of the float32 loss taken on the
+    logits rounded to bfloat16 (what MaxText computes), whole or chunked, and close to float32's."""
+    x = _arrays(2)
+
+    def rounded(h, w):
+        logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+        # Rounded on the way forward only: the gradient stays float32, as in the fused loss
+        # (whose logit gradient is made in float32 and cast to the hidden states' dtype).
+        rounded = logits.astype(jnp.bfloat16).astype(jnp.float32)
+        logits = logits + jax.lax.stop_gradient(rounded - logits)
+        return (*cross_entropy_sums(logits, x["targets"], x["mask"]), jnp.zeros(()))
+
+    def ours(dtype):
+        return lambda h, w: hidden_loss_sums(  # noqa: E731
+            h, w, x["targets"], x["mask"], chunk_size=chunk, logits_dtype=dtype
+        )
+
+    ref = _value_and_grads(rounded, x)
+    got = _value_and_grads(ours("bfloat16"), x)
+    full = _value_and_grads(ours("float32"), x)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    assert got[1] == ref[1]
+    np.testing.assert_allclose(got[3], ref[3], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[4], ref[4], rtol=1e-5, atol=1e-6)
+    assert got[0] != full[0]  # the rounding is real...
+    np.testing.assert_allclose(got[0], full[0], rtol=1e-2)  # ...and small

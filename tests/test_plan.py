@@ -285,3 +285,19 @@ def test_launch_plan_runs_runtime_plan_for_the_job(tmp_path: Path) -> None:
     rep = json.loads(r.stdout)
     assert rep["target"] == {**rep["target"], "accelerator": "cpu", "devices": 2}
     assert rep["compiled"] and rep["memory"]["temp_bytes"] > 0 and rep["memory"]["fits"] is None
+
+
+def test_bf16_whole_logits_save_half_the_logits_on_tpu(tmp_path: Path) -> None:
+    """`training.logits_dtype = "bfloat16"` with the whole-sequence loss, compiled for a v5e chip:
+    the step's peak falls by half the float32 [B, T, V] logits, to within 1% (with no float32
+    copy, which XLA would otherwise keep between the matmul, the softmax's reductions and the
+    gradient, the peak would not fall at all)."""
+    batch, seq, vocab = 8, 64, 8192
+    peaks = {}
+    for dtype in ("float32", "bfloat16"):
+        raw = tiny(batch=batch, vocab_size=vocab)
+        raw["training"] |= {"loss_chunk_size": 0, "logits_dtype": dtype}
+        p = tmp_path / f"{dtype}.toml"
+        p.write_text(tomli_w.dumps(raw))
+        peaks[dtype] = _plan_json(p, "--accelerator", "tpu-v5e-1")["memory"]["peak_bytes"]
+    assert peaks["float32"] - peaks["bfloat16"] >= 0.99 * batch * seq * vocab * 2, peaks

@@ -8,6 +8,7 @@ from typing import Any
 
 from jobspec.errors import CheckpointError
 from jobspec.run_dir import CHECKPOINTS as CKPT_DIR
+from jobspec.run_dir import MANIFEST
 from jobspec.run_store import ArtifactStore
 from runtime.run.checkpoint import CheckpointService
 from runtime.run.inspect import open_run
@@ -57,7 +58,7 @@ def rollback(run: str, step: int) -> dict[str, Any]:
     from runtime.run import owner
 
     store = open_run(run)  # a run directory, before anything (even a claim) is written there
-    run_id = store.read_json("manifest.json").get("run_id") or store.root_uri.rsplit("/", 1)[-1]
+    run_id = store.read_json(MANIFEST).get("run_id") or store.root_uri.rsplit("/", 1)[-1]
     # Deleting checkpoints under a live run would pull its resume point away: claim the run
     # first, exactly as training does (a live owner refuses this with one sentence).
     owner.acquire(store.root_uri, run_id=run_id, submission_id=None, attempt=0, lease_s=60)

@@ -14,6 +14,7 @@ import click
 
 from jobspec.cli import run_group
 from jobspec.errors import ConfigError
+from jobspec.exit_codes import EXIT_FAILED
 
 if TYPE_CHECKING:
     from jobspec.run_config import RunConfig
@@ -546,7 +547,7 @@ def preflight_cmd(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
             mark = "ok  " if check["ok"] else "FAIL"
             click.echo(f"{mark} {check['name']:<10} {check['detail']}")
     if not all(c["ok"] for c in report["checks"]):
-        sys.exit(1)
+        sys.exit(EXIT_FAILED)
 
 
 @cli.command("plan")
@@ -655,7 +656,7 @@ def checkpoints_verify_cmd(run: str, as_json: bool) -> None:
         for line in describe(report):
             click.echo(line)
     if not report["ok"]:
-        sys.exit(1)
+        sys.exit(EXIT_FAILED)
 
 
 @checkpoints_group.command("rollback")

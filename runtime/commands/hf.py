@@ -13,7 +13,7 @@ from jobspec.errors import ConfigError, JaxjobError
 from jobspec.hf_config import hf_dir
 from jobspec.load import parse_run_config, read_toml, resolved_dict, to_toml
 from jobspec.run_config import RunConfig
-from jobspec.run_dir import now
+from jobspec.run_dir import MANIFEST, RESOLVED_CONFIG, SOURCE_CONFIG, now
 from jobspec.run_store import ArtifactStore
 from runtime.commands.offline import restore_checkpoint
 from runtime.data.loader import train_batches
@@ -126,8 +126,8 @@ def import_to_run(path: str, out_dir: str, *, config: str | None = None) -> dict
         data_state={"0": _start_data_state(cfg, manifest)} if manifest else None,
         imported_from=str(src),
     )
-    store.write_text("config/source.toml", to_toml(cfg))
-    store.write_json("config/resolved.json", resolved_dict(cfg))
+    store.write_text(SOURCE_CONFIG, to_toml(cfg))
+    store.write_json(RESOLVED_CONFIG, resolved_dict(cfg))
     ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=False)
     try:
         ckpt.save(0, params=state.params, opt_state=state.opt_state, meta=meta)
@@ -136,7 +136,7 @@ def import_to_run(path: str, out_dir: str, *, config: str | None = None) -> dict
         ckpt.close()
     version = package_versions()["jaxjob"]
     store.write_json(
-        "manifest.json",
+        MANIFEST,
         run_manifest(cfg, store.uri(""), status="imported", version=version, created=now(),
                      imported_from=str(src)),
     )  # fmt: skip

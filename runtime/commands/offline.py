@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.load import parse_run_config
 from jobspec.run_config import EvalConfig, RunConfig
-from jobspec.run_dir import now
+from jobspec.run_dir import RESOLVED_CONFIG, now
 from jobspec.run_store import ArtifactStore
 from runtime.data.manifest import load_manifest
 from runtime.data.mixture import open_data
@@ -41,9 +41,7 @@ class Restored(NamedTuple):
 def restore_checkpoint(run: str, selector: str) -> Restored:
     """Parameters and model state of RUN's checkpoint `selector`, on an offline mesh."""
     store = open_run(run)
-    cfg = parse_run_config(
-        store.read_json("config/resolved.json"), store.uri("config/resolved.json")
-    )
+    cfg = parse_run_config(store.read_json(RESOLVED_CONFIG), store.uri(RESOLVED_CONFIG))
     ckpt = CheckpointService(store, keep=cfg.checkpoint.keep, async_save=False, read_only=True)
     try:
         step = ckpt.resolve(selector)

@@ -14,9 +14,8 @@ import sys
 
 import click
 
+from jobspec.exit_codes import EXIT_FAILED
 from runtime.plan.environment import is_gpu as _is_gpu
-
-EXIT_DOES_NOT_FIT = 1
 
 
 def _gib(n: int | float | None) -> str:
@@ -151,7 +150,7 @@ def _run_plan(cfg, accelerator: str, hosts: int | None, slices: int, as_json: bo
     report = plan(cfg, target)
     click.echo(json.dumps(report, indent=2) if as_json else render(report))
     if report["memory"]["fits"] is False:
-        sys.exit(EXIT_DOES_NOT_FIT)
+        sys.exit(EXIT_FAILED)
 
 
 def _fit_row(r: dict) -> str:
@@ -196,7 +195,7 @@ def run_fit(cfg, config_path: str, accelerator: str, hosts, slices: int, as_json
         if as_json:
             click.echo(json.dumps(_jsonable(result), indent=2))
         click.echo(f"error: {raise_no_fit}; use more chips or a smaller batch", err=True)
-        sys.exit(EXIT_DOES_NOT_FIT)
+        sys.exit(EXIT_FAILED)
     c = pick["candidate"]
     text = overlay_toml(c, result["sequences_per_step"], config_path, overlay or config_path,
                         accelerator)  # fmt: skip

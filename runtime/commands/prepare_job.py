@@ -48,15 +48,15 @@ from typing import Any, NoReturn
 import click
 
 from jobspec.errors import DataError, JaxjobError
-from jobspec.exit_codes import EXIT_RESTARTABLE
+from jobspec.exit_codes import EXIT_FAILED, EXIT_RESTARTABLE
 from jobspec.load import merge
 from jobspec.prepare_job import PrepareJobConfig, load_prepare_config
+from jobspec.run_dir import MANIFEST, SOURCE_CONFIG
 from jobspec.storage import RetryPolicy, join
 from runtime.host import boot, hostlog, startup
 
 POLL_S = 0.5  # how often a waiting host asks the key-value store
 LEAVE_WAIT_S = 30.0  # longest host 0 waits, on a failure, for the others to leave first
-EXIT_BUG = 1
 
 
 def _now() -> str:
@@ -81,7 +81,7 @@ def _describe(e: BaseException) -> tuple[int, str]:
     if isinstance(e, KeyboardInterrupt):
         return EXIT_RESTARTABLE, "interrupted while preparing; committed parts are kept"
     traceback.print_exception(e)
-    return EXIT_BUG, f"{type(e).__name__}: {e} (a bug; the traceback is in this host's log)"
+    return EXIT_FAILED, f"{type(e).__name__}: {e} (a bug; the traceback is in this host's log)"
 
 
 class Agreement:
@@ -308,10 +308,10 @@ class PrepareHost:
     # ---- the run's own records (host 0) ------------------------------------------------------
 
     def _start_record(self) -> None:
-        self.store.write_text("config/source.toml", self.source)
+        self.store.write_text(SOURCE_CONFIG, self.source)
         created = _now()
-        if self.store.exists("manifest.json"):  # an earlier attempt's: keep when the run began
-            created = self.store.read_json("manifest.json").get("created", created)
+        if self.store.exists(MANIFEST):  # an earlier attempt's: keep when the run began
+            created = self.store.read_json(MANIFEST).get("created", created)
         self._record = {"created": created}
         self._update_record(
             run_id=self.cfg.run.id, kind="prepare", status="running", output_uri=self.store.uri(),
@@ -320,7 +320,7 @@ class PrepareHost:
 
     def _update_record(self, **fields: Any) -> None:
         self._record.update(fields, updated=_now())
-        self.store.write_json("manifest.json", self._record)
+        self.store.write_json(MANIFEST, self._record)
 
 
 def _best_effort(fn: Callable[[], Any], default: Any = None) -> Any:

@@ -50,7 +50,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from jobspec.errors import DataError
-from jobspec.storage import is_remote, join, url_to_fs
+from jobspec.storage import is_remote, join, process_policy, url_to_fs, with_retries
 from runtime.data.samples import read_digests
 
 FORMAT = "jaxjob.tokens"
@@ -220,7 +220,8 @@ def _sizes(fs: Any, paths: list[str]) -> dict[str, int | None]:
     for d, ps in by_dir.items():
         fs.invalidate_cache(d)  # gcsfs caches listings; a prepare may have just written here
         try:
-            listing = {e["name"].rstrip("/"): e for e in fs.ls(d, detail=True)}
+            found = with_retries(lambda d=d: fs.ls(d, detail=True), f"list {d}", process_policy())
+            listing = {e["name"].rstrip("/"): e for e in found}
         except FileNotFoundError:
             listing = {}
         for p in ps:
@@ -229,12 +230,21 @@ def _sizes(fs: Any, paths: list[str]) -> dict[str, int | None]:
     return out
 
 
+def _read_all(fs: Any, path: str, uri: str) -> bytes:
+    """A small file's bytes, each try with a deadline (a missing file is an answer, raised)."""
+
+    def read() -> bytes:
+        with fs.open(path, "rb") as f:
+            return f.read()
+
+    return with_retries(read, f"read {uri}", process_policy())
+
+
 def load_manifest(uri: str) -> Manifest:
     """Parse manifest.json at `uri` and check every listed file exists with the recorded size."""
     fs, path = url_to_fs(uri)
     try:
-        with fs.open(path, "rb") as f:
-            raw = f.read()
+        raw = _read_all(fs, path, uri)
     except FileNotFoundError as e:
         raise DataError(
             f"data manifest {uri} does not exist; run `runtime data prepare` to make it or fix "
@@ -356,7 +366,10 @@ def _check_files(m: Manifest, uri: str) -> None:
             )
     # Same sizes: compare sampled blocks, so a file overwritten in place is refused here.
     sampled = {p: expected[u][1] for p, u in paths.items() if expected[u][2] is not None}
-    for p, digest in read_digests(fs, sampled).items():
+    digests = with_retries(
+        lambda: read_digests(fs, sampled), f"read the files of {uri}", process_policy()
+    )
+    for p, digest in digests.items():
         what, _, want_digest = expected[paths[p]]
         if digest != want_digest:
             raise DataError(
@@ -412,8 +425,7 @@ def read_offsets(m: Manifest, split: str) -> np.ndarray:
     s = m.split(split)
     uri = m.uri_of(s.offsets)
     fs, path = url_to_fs(uri)
-    with fs.open(path, "rb") as f:  # small: hashed and parsed from one read
-        raw = f.read()
+    raw = _read_all(fs, path, uri)  # small: hashed and parsed from one read
     off = np.frombuffer(raw, dtype=OFFSET_DTYPE).astype(np.int64)
     if hashlib.sha256(raw).hexdigest() != s.offsets_sha256:
         why = "its recorded sha256"

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from jobspec.errors import DataError
-from jobspec.storage import is_remote, url_to_fs
+from jobspec.storage import is_remote, process_policy, url_to_fs, with_retries
 from runtime.data.manifest import Manifest, read_offsets
 from runtime.data.order import DOCUMENT_STREAM, EpochCache, permutation
 
@@ -65,9 +65,12 @@ class TokenStream:
         if self.remote:
             fs, path = f
             size = self.dtype.itemsize
-            return np.frombuffer(
-                fs.cat_file(path, start=lo * size, end=hi * size), dtype=self.dtype
+            data = with_retries(
+                lambda: fs.cat_file(path, start=lo * size, end=hi * size),
+                f"read {self._uris[i]}",
+                process_policy(),
             )
+            return np.frombuffer(data, dtype=self.dtype)
         return f[lo:hi]
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -125,8 +128,12 @@ class TokenStream:
         if not paths:
             return out
         fs = self._open(0)[0]
-        for (r, col), data in zip(where, fs.cat_ranges(paths, lo, hi, on_error="raise"),
-                                  strict=True):  # fmt: skip
+        pieces = with_retries(
+            lambda: fs.cat_ranges(paths, lo, hi, on_error="raise"),
+            f"read {len(paths)} token ranges of {self._uris[0].rsplit('/', 1)[0]}/",
+            process_policy(),
+        )
+        for (r, col), data in zip(where, pieces, strict=True):
             piece = np.frombuffer(data, dtype=self.dtype)
             out[r, col : col + len(piece)] = piece
         return out

@@ -47,6 +47,8 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import quote
@@ -54,7 +56,15 @@ from urllib.parse import quote
 from jobspec.errors import JaxjobError, RunOwnedError, StorageError
 from jobspec.exit_codes import EXIT_BAD_INPUT
 from jobspec.run_dir import OWNER, OWNER_LOCK
-from jobspec.storage import DEFAULT_RETRY, RetryPolicy, is_remote, join, url_to_fs, with_retries
+from jobspec.storage import (
+    DEFAULT_RETRY,
+    NoAnswer,
+    RetryPolicy,
+    is_remote,
+    join,
+    url_to_fs,
+    with_retries,
+)
 
 # ---- who we are ---------------------------------------------------------------------------------
 
@@ -329,9 +339,20 @@ class RunClaim:
 
     def _renew_loop(self, interval: float) -> None:
         renewed = time.monotonic()
+        stuck: Future | None = None  # a renewal that did not answer in time, still running
+        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxjob-owner-renew")
         while not self._stop.wait(interval):
             try:
-                self.renew()
+                # Each renewal has until the next one is due: one whose storage stopped answering
+                # is a failed try like any fault (never a thread stuck for good), and is not
+                # started again on top of itself.
+                if stuck is None or stuck.done():
+                    stuck = pool.submit(self.renew)
+                try:
+                    stuck.result(timeout=interval)
+                except FutureTimeout:
+                    raise NoAnswer(f"{self.uri} did not answer within {interval:g} s") from None
+                stuck = None
                 renewed = time.monotonic()
             except RunOwnedError as e:
                 from runtime.host import hostlog

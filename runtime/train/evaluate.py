@@ -27,7 +27,8 @@ class Evaluator:
         self.b_sh = batch_sharding(mesh, 3, leading=1)
         rep = replicated(mesh)
         self.sources = list(manifest.names) if isinstance(manifest, Mixture) else []
-        step = make_eval_step(parts.graphdef, cfg.training.loss_chunk_size, len(self.sources))
+        t = cfg.training
+        step = make_eval_step(parts.graphdef, t.loss_chunk_size, len(self.sources), t.logits_dtype)
         self.step_fn = jax.jit(
             # Under the mesh like the train step: the same constraints and attention kernels.
             on_mesh(step, mesh),

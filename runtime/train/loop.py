@@ -449,9 +449,12 @@ def _save(run: Run) -> bool:
     """Start saving this step (the caller knows it is due, or the last); True when a save
     started, False when the step is saved already. The caller has checked the step's metrics
     are finite."""
-    state = run.state
+    state, t0 = run.state, time.perf_counter()
     if run.ckpt.save(run.step, params=state.params, opt_state=state.opt_state, meta=_meta(run)):
-        run.art.event(EventKind.CHECKPOINT, step=run.step)
+        # How long the loop stood still for it: an async save's copy off the chip (and any wait
+        # for the previous save), the rest being written in the background.
+        blocked = round(time.perf_counter() - t0, 3)
+        run.art.event(EventKind.CHECKPOINT, step=run.step, blocked_s=blocked)
         return True
     return False
 

@@ -75,16 +75,16 @@ def clipped_pg_sums(
 LossSums = tuple[jax.Array, jax.Array, jax.Array]  # (loss sum, count, clipped count)
 
 
-@jax.custom_vjp
-def _head_matmul(h: jax.Array, kernel: jax.Array) -> jax.Array:
-    return jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _head_matmul(h: jax.Array, kernel: jax.Array, out_dtype: str = "float32") -> jax.Array:
+    return jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.dtype(out_dtype))
 
 
-def _head_matmul_fwd(h: jax.Array, kernel: jax.Array) -> tuple[jax.Array, tuple]:
-    return _head_matmul(h, kernel), (h, kernel)
+def _head_matmul_fwd(h: jax.Array, kernel: jax.Array, out_dtype: str) -> tuple[jax.Array, tuple]:
+    return _head_matmul(h, kernel, out_dtype), (h, kernel)
 
 
-def _head_matmul_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _head_matmul_bwd(out_dtype: str, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     # The backward matmuls take the logits' gradient in the compute dtype and give the head's
     # partial gradient in it (accumulated in float32 inside the matmul): each chip's
     # [hidden, vocab] partial, which the data-parallel reduction needs whole, is then half the
@@ -99,10 +99,12 @@ def _head_matmul_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
 _head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
 
 
-def head_logits(h: jax.Array, kernel: jax.Array) -> jax.Array:
-    """h [B, T, D] @ kernel [D, V] -> float32 logits [B, T, V], accumulated in float32: the
-    same product as `Decoder.logits`, with the vocab axis pinned to the tensor axis."""
-    return constrain_logits(_head_matmul(h, kernel))
+def head_logits(h: jax.Array, kernel: jax.Array, dtype: str = "float32") -> jax.Array:
+    """h [B, T, D] @ kernel [D, V] -> logits [B, T, V], accumulated in float32 and stored in
+    `dtype` (float32: the same product as `Decoder.logits`; bfloat16: half the memory, as
+    MaxText keeps them), with the vocab axis pinned to the tensor axis. Whatever `dtype`, the
+    losses read them in float32."""
+    return constrain_logits(_head_matmul(h, kernel, dtype))
 
 
 def _objective_sums(
@@ -133,6 +135,7 @@ def hidden_loss_sums(
     old_logprobs: jax.Array | None = None,
     clip_eps: float = 0.2,
     softcap: float | None = None,
+    logits_dtype: str = "float32",
 ) -> LossSums:
     """(loss sum, count, clipped count) of `objective` on the logits h @ kernel (soft-capped to
     softcap * tanh(logits / softcap) when `softcap` is set), made and dropped
@@ -151,6 +154,10 @@ def hidden_loss_sums(
     The head gradient is a sum over chunks; it is accumulated in float32 (the kernel enters the
     scan as float32 and is cast back to its dtype inside), so a bf16 head is not rounded once per
     chunk.
+
+    logits_dtype "bfloat16" stores each chunk's logits (and the cross-entropy's logit gradient)
+    in bfloat16, as MaxText does: half the memory, so the whole-sequence loss of a large
+    vocabulary fits where float32 logits do not. The softmax is still taken in float32.
     """
     if objective not in ("cross_entropy", "clipped_pg"):
         raise ValueError(f"unknown objective {objective!r}")
@@ -164,10 +171,14 @@ def hidden_loss_sums(
     def sums(logits: jax.Array, tc: dict[str, jax.Array]) -> LossSums:
         return _objective_sums(logits, tc, objective, clip_eps, softcap)
 
-    if objective == "cross_entropy" and 0 < chunk_size < h.shape[1] and FUSED_CROSS_ENTROPY:
-        loss_sum, count = _fused_ce_sums(h, kernel, targets, mask, chunk_size, softcap)
+    if objective == "cross_entropy" and FUSED_CROSS_ENTROPY:
+        # The whole sequence is one chunk of the fused loss: its logits are made once and their
+        # gradient overwrites them, where autodiff would keep both.
+        whole = chunk_size <= 0 or chunk_size >= h.shape[1]
+        chunk = h.shape[1] if whole else chunk_size
+        loss_sum, count = _fused_ce_sums(h, kernel, targets, mask, chunk, softcap, logits_dtype)
         return loss_sum, count, zero
-    return _chunked_sums(h, kernel, tok, chunk_size, sums, (zero, zero, zero))
+    return _chunked_sums(h, kernel, tok, chunk_size, sums, (zero, zero, zero), logits_dtype)
 
 
 def hidden_group_sums(
@@ -180,6 +191,7 @@ def hidden_group_sums(
     *,
     chunk_size: int = 0,
     softcap: float | None = None,
+    logits_dtype: str = "float32",
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Cross-entropy as `hidden_loss_sums` (the same chunks, the same sums), and also split by
     group: (loss sum, count, loss sum per group [G], count per group [G]), where groups [B, T]
@@ -208,7 +220,7 @@ def hidden_group_sums(
 
     zero, zeros = jnp.zeros((), jnp.float32), jnp.zeros((num_groups,), jnp.float32)
     tok = {"targets": targets, "mask": mask, "groups": groups}
-    return _chunked_sums(h, kernel, tok, chunk_size, sums, (zero, zero, zeros, zeros))
+    return _chunked_sums(h, kernel, tok, chunk_size, sums, (zero, zero, zeros, zeros), logits_dtype)
 
 
 #: Chunked cross-entropy computes its gradient in the forward pass (`_fused_ce_sums`); off, the
@@ -227,18 +239,42 @@ def _split_chunks(x: jax.Array, chunk_size: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _ce_chunk_grads(
-    hc: jax.Array, w: jax.Array, tc: jax.Array, mc: jax.Array, softcap: float | None
+    hc: jax.Array,
+    w: jax.Array,
+    tc: jax.Array,
+    mc: jax.Array,
+    softcap: float | None,
+    logits_dtype: str = "float32",
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One chunk's (loss sum, count, d loss_sum / d hc [B, c, D] in hc's dtype, d loss_sum / d w
     [D, V] float32): the logits are made once and their gradient taken in closed form,
     softmax(z) - onehot(target) at counted positions (z the soft-capped logits)."""
     hc = constrain(hc, ("batch", "length", "embed"))
-    logits = head_logits(hc, w)  # float32 [B, c, V]
-    z = logits if softcap is None else apply_softcap(logits, softcap)
+    logits = head_logits(hc, w, logits_dtype)  # [B, c, V]
+    if logits.dtype != jnp.float32:
+        # Barriers keep the widening out of the matmul's fusion and apart between the reductions
+        # and the gradient, so each reads the narrow logits and widens them itself: otherwise
+        # XLA keeps a float32 copy of the logits, the very memory a narrow dtype is to save.
+        logits = jax.lax.optimization_barrier(logits)
+
+    def capped(x: jax.Array) -> jax.Array:  # float32 whatever the logits' dtype
+        x = x.astype(jnp.float32)
+        return x if softcap is None else apply_softcap(x, softcap)
+
     counted = mc.astype(jnp.float32) > 0
-    lse = jax.nn.logsumexp(z, axis=-1)
-    target_z = jnp.take_along_axis(z, tc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    target_z = capped(jnp.take_along_axis(logits, tc[..., None].astype(jnp.int32), axis=-1)[..., 0])
+    if logits.dtype == jnp.float32:
+        z = capped(logits)
+        lse = jax.nn.logsumexp(z, axis=-1)
+    else:
+        # The max taken in the narrow dtype (exact; the soft-cap is increasing), then one
+        # reduction that widens as it reads: no float32 [B, c, V] array between the two.
+        m = jax.lax.stop_gradient(capped(jnp.max(logits, axis=-1)))
+        lse = m + jnp.log(jnp.sum(jnp.exp(capped(logits) - m[..., None]), axis=-1))
     loss_sum = jnp.sum(jnp.where(counted, lse - target_z, 0.0))
+    if logits.dtype != jnp.float32:
+        logits, lse = jax.lax.optimization_barrier((logits, lse))
+        z = capped(logits)
     onehot = jax.nn.one_hot(tc, z.shape[-1], dtype=jnp.float32)
     g = jnp.where(counted[..., None], jnp.exp(z - lse[..., None]) - onehot, 0.0)
     if softcap is not None:  # d softcap * tanh(l / softcap) / dl = 1 - tanh(l / softcap)^2
@@ -258,6 +294,7 @@ def _fused_ce_forward(
     mask: jax.Array,
     chunk_size: int,
     softcap: float | None,
+    logits_dtype: str = "float32",
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(loss sum, count, dh [B, T, D], dW [D, V] float32) over `chunk_size`-position chunks."""
     hs, h_rest = _split_chunks(h, chunk_size)
@@ -266,7 +303,7 @@ def _fused_ce_forward(
 
     def body(acc: tuple, xs: tuple) -> tuple[tuple, jax.Array]:
         loss, count, dw = acc
-        l_c, n_c, dh_c, dw_c = _ce_chunk_grads(*xs[:1], kernel, *xs[1:], softcap)
+        l_c, n_c, dh_c, dw_c = _ce_chunk_grads(*xs[:1], kernel, *xs[1:], softcap, logits_dtype)
         return (loss + l_c, count + n_c, dw + dw_c), dh_c
 
     zero = jnp.zeros((), jnp.float32)
@@ -275,13 +312,15 @@ def _fused_ce_forward(
     b, n, c = h.shape[0], hs.shape[0], chunk_size
     dh = jnp.moveaxis(dhs, 0, 1).reshape(b, n * c, h.shape[-1])
     if h_rest.shape[1]:
-        l_r, n_r, dh_r, dw_r = _ce_chunk_grads(h_rest, kernel, t_rest, m_rest, softcap)
+        l_r, n_r, dh_r, dw_r = _ce_chunk_grads(
+            h_rest, kernel, t_rest, m_rest, softcap, logits_dtype
+        )
         loss, count, dw = loss + l_r, count + n_r, dw + dw_r
         dh = jnp.concatenate([dh, dh_r], axis=1)
     return loss, count, constrain(dh, ("batch", "length", "embed")), dw
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _fused_ce_sums(
     h: jax.Array,
     kernel: jax.Array,
@@ -289,21 +328,24 @@ def _fused_ce_sums(
     mask: jax.Array,
     chunk_size: int,
     softcap: float | None,
+    logits_dtype: str = "float32",
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked cross-entropy (loss sum, count) whose forward pass under autodiff also takes the
     gradient of the loss sum, chunk by chunk: three head matmuls per chunk (logits, dh, dW)
     instead of four (the checkpointed chunk's logits made again in the backward pass). The
     residuals are dh [B, T, D] in h's dtype and dW [D, V] in the kernel's; dW is summed over the
     chunks in float32, as `_chunked_sums` does."""
-    return _fused_ce_forward(h, kernel, targets, mask, chunk_size, softcap)[:2]
+    return _fused_ce_forward(h, kernel, targets, mask, chunk_size, softcap, logits_dtype)[:2]
 
 
-def _fused_ce_fwd(h, kernel, targets, mask, chunk_size, softcap):  # noqa: ANN001, ANN202
-    loss, count, dh, dw = _fused_ce_forward(h, kernel, targets, mask, chunk_size, softcap)
+def _fused_ce_fwd(h, kernel, targets, mask, chunk_size, softcap, logits_dtype):  # noqa: ANN001, ANN202
+    loss, count, dh, dw = _fused_ce_forward(
+        h, kernel, targets, mask, chunk_size, softcap, logits_dtype
+    )
     return (loss, count), (dh, dw.astype(kernel.dtype))
 
 
-def _fused_ce_bwd(chunk_size, softcap, res, g):  # noqa: ANN001, ANN202
+def _fused_ce_bwd(chunk_size, softcap, logits_dtype, res, g):  # noqa: ANN001, ANN202
     dh, dw = res
     g_loss = g[0]  # the count has no gradient
     dh = (dh.astype(jnp.float32) * g_loss).astype(dh.dtype)
@@ -321,20 +363,21 @@ def _chunked_sums(
     chunk_size: int,
     sums: Callable[[jax.Array, dict[str, jax.Array]], tuple[jax.Array, ...]],
     zeros: tuple[jax.Array, ...],
+    logits_dtype: str = "float32",
 ) -> tuple[jax.Array, ...]:
     """`sums(logits, tok)` of the logits h @ kernel, `chunk_size` positions at a time (see
     `hidden_loss_sums`), added up chunk by chunk from `zeros` (shaped like `sums`' result)."""
     b, t, _ = h.shape
     if chunk_size <= 0 or chunk_size >= t:
         h = constrain(h, ("batch", "length", "embed"))
-        return sums(head_logits(h, kernel), tok)
+        return sums(head_logits(h, kernel, logits_dtype), tok)
 
     dtype = kernel.dtype
 
     @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def chunk(w: jax.Array, hc: jax.Array, tc: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
         hc = constrain(hc, ("batch", "length", "embed"))
-        return sums(head_logits(hc, w.astype(dtype)), tc)
+        return sums(head_logits(hc, w.astype(dtype), logits_dtype), tc)
 
     w = kernel.astype(jnp.promote_types(dtype, jnp.float32))
     n = t // chunk_size

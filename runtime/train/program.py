@@ -44,6 +44,7 @@ def train_program(
         pg_clip_epsilon=t.pg_clip_epsilon,
         router_bias_update_rate=cfg.model.router_bias_update_rate,
         loss_chunk_size=t.loss_chunk_size,
+        logits_dtype=t.logits_dtype,
         count_dropped=cfg.model.moe_capacity_factor is not None,
         skip_nonfinite=t.on_nonfinite == "skip_step",
     )

@@ -14,7 +14,7 @@ from jobspec.errors import CheckpointError, ConfigError
 from jobspec.run_config import RunConfig
 from jobspec.run_dir import CHECKPOINTS
 from jobspec.run_store import ArtifactStore
-from jobspec.storage import RetryPolicy, join
+from jobspec.storage import RetryPolicy, join, use_policy
 from runtime.host import boot
 from runtime.model.sharding import replicated
 from runtime.observe import ledger as buckets
@@ -52,6 +52,7 @@ def open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[Art
     to fit, so a bad input ends before any checkpoint machinery starts.
     """
     retry = RetryPolicy(total_s=cfg.runtime.storage_retry_s)
+    use_policy(retry)  # the data reads' (Grain's threads hand them none)
     store = ArtifactStore(
         join(cfg.run.output_uri, cfg.run.id),
         process_index=jax.process_index(),

@@ -46,6 +46,7 @@ def _loss_sums(
     pg_clip_epsilon: float = 0.2,
     with_loads: bool = False,
     loss_chunk_size: int = 0,
+    logits_dtype: str = "float32",
 ) -> tuple[jax.Array, Any]:
     """(loss sum, count); with_loads: (loss sum, (count, clipped, MoE stats or None)) (the
     stats: `runtime.model.moe.MoEStats`, load [L, E] and dropped assignments [L]),
@@ -67,6 +68,7 @@ def _loss_sums(
         old_logprobs=mb["old_logprobs"] if pg else None,
         clip_eps=pg_clip_epsilon,
         softcap=model.logit_softcap,
+        logits_dtype=logits_dtype,
     )
     return (loss_sum, (count, clipped, loads)) if with_loads else (loss_sum, count)
 
@@ -79,6 +81,7 @@ def make_train_step(
     pg_clip_epsilon: float = 0.2,
     router_bias_update_rate: float = 0.0,
     loss_chunk_size: int = 0,
+    logits_dtype: str = "float32",
     count_dropped: bool = False,
     skip_nonfinite: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
@@ -109,6 +112,7 @@ def make_train_step(
         pg_clip_epsilon=pg_clip_epsilon,
         with_loads=True,
         loss_chunk_size=loss_chunk_size,
+        logits_dtype=logits_dtype,
     )
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -205,7 +209,10 @@ def _unless_nonfinite(
 
 
 def make_eval_step(
-    graphdef: nnx.GraphDef, loss_chunk_size: int = 0, num_sources: int = 0
+    graphdef: nnx.GraphDef,
+    loss_chunk_size: int = 0,
+    num_sources: int = 0,
+    logits_dtype: str = "float32",
 ) -> Callable[[Any, tuple, Batch], dict[str, jax.Array]]:
     """Loss sums over one [accum, rows, seq_len] batch (accum is 1 for evals); the logits are
     made `loss_chunk_size` positions at a time as in the train step (0 = whole sequence).
@@ -218,11 +225,18 @@ def make_eval_step(
     `others` (the non-Param model state) is an argument, not closed over: an MoE run's router
     biases move with training, and the train step donates the arrays it was given."""
     if num_sources:
-        return _grouped_eval_step(graphdef, loss_chunk_size, num_sources)
+        return _grouped_eval_step(graphdef, loss_chunk_size, num_sources, logits_dtype)
 
     def eval_step(params: Any, others: tuple, batch: Batch) -> dict[str, jax.Array]:
         def micro(carry, mb):
-            ls, c = _loss_sums(graphdef, others, params, mb, loss_chunk_size=loss_chunk_size)
+            ls, c = _loss_sums(
+                graphdef,
+                others,
+                params,
+                mb,
+                loss_chunk_size=loss_chunk_size,
+                logits_dtype=logits_dtype,
+            )
             return (carry[0] + ls, carry[1] + c), None
 
         (loss_sum, count), _ = jax.lax.scan(micro, (jnp.zeros(()), jnp.zeros(())), batch)
@@ -232,7 +246,7 @@ def make_eval_step(
 
 
 def _grouped_eval_step(
-    graphdef: nnx.GraphDef, loss_chunk_size: int, num_sources: int
+    graphdef: nnx.GraphDef, loss_chunk_size: int, num_sources: int, logits_dtype: str
 ) -> Callable[[Any, tuple, Batch], dict[str, jax.Array]]:
     """`make_eval_step` with the sums also split by each position's `source`."""
 
@@ -249,6 +263,7 @@ def _grouped_eval_step(
                 num_sources,
                 chunk_size=loss_chunk_size,
                 softcap=model.logit_softcap,
+                logits_dtype=logits_dtype,
             )
             return tuple(a + s for a, s in zip(carry, sums, strict=True)), None
 

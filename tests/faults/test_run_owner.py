@@ -361,3 +361,55 @@ def test_rollback_is_refused_while_the_run_has_a_live_owner(tmp_path):
     res = run_cli("checkpoints", "rollback", str(typo), "--to-step", "5")
     assert res.returncode == 2 and "not a jaxjob run directory" in stderr_lines(res.stderr)[-1]
     assert not typo.exists()
+
+
+def test_a_lease_renewal_the_storage_does_not_answer_is_a_failed_try(monkeypatch):
+    """A renewal whose storage stops answering (the read never returns) is a failed try by the
+    time the next one is due: the warning comes once half the lease has gone unrenewed, no second
+    renewal is started on top of the stuck one, and renewing resumes once the storage answers."""
+    import contextlib
+    import io
+    import threading
+
+    from runtime.run.owner import RunClaim
+
+    record = OwnerRecord(
+        run_id="r", submission_id=None, attempt=0, host="h", pid=1, pid_start=None, boot_id="b",
+        pid_namespace="n", started="now", renewed_epoch=time.time(), lease_s=2.0, token="t",
+    )  # fmt: skip
+    gate, wrote, warned = threading.Event(), threading.Event(), threading.Event()
+    reads: list[float] = []
+
+    class Slot:
+        @contextlib.contextmanager
+        def locked(self):
+            yield
+
+        def read(self):
+            reads.append(time.monotonic())
+            gate.wait()  # the storage answers once the test lets it
+            return record.to_bytes(), 1
+
+        def write(self, data, generation):
+            wrote.set()
+            return generation + 1
+
+    class Stderr(io.StringIO):
+        def write(self, s: str) -> int:
+            if "could not renew the claim" in s:
+                warned.set()
+            return super().write(s)
+
+    err = Stderr()
+    monkeypatch.setattr(sys, "stderr", err)
+    claim = RunClaim("/nonexistent/run", record, Slot())
+    claim.start_renewing()  # every 0.5 s
+    try:
+        assert warned.wait(60), err.getvalue()
+        assert "did not answer within 0.5 s" in err.getvalue(), err.getvalue()
+        assert len(reads) == 1, reads  # the stuck renewal is not started again
+        gate.set()
+        assert wrote.wait(60)  # it answered: the renewal went through
+    finally:
+        gate.set()
+        claim._stop.set()

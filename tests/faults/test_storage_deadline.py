@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from faults.gcs_proxy import GcsFaultProxy
@@ -109,17 +110,22 @@ HANG_S = 300  # only catches a hang: the bounds asserted below are far shorter
 
 
 class StallingProxy(GcsFaultProxy):
-    """Forwards requests until one matches `when`; from then on holds every request unanswered
-    (the connection stays open, as with a stopped server) until the proxy stops."""
+    """Forwards requests until one matches `when`; from then on holds every request (or, with
+    `only`, every request matching it) unanswered (the connection stays open, as with a stopped
+    server) until the proxy stops."""
 
-    def __init__(self, upstream: str, when: str) -> None:
+    def __init__(self, upstream: str, when: str, only: str | None = None) -> None:
         super().__init__(upstream)
         self._when = re.compile(when)
+        self._only = re.compile(only) if only else None
+        self.armed = threading.Event()  # `when` was seen
         self.stalled = threading.Event()  # a request is held
         self._release = threading.Event()
 
     def _decide(self, what: str) -> int | None:
-        if self.stalled.is_set() or self._when.search(what):
+        if self._when.search(what):
+            self.armed.set()
+        if self.armed.is_set() and (self._only is None or self._only.search(what)):
             self.stalled.set()
             self._release.wait()
             return 503  # to a client that gave up long ago
@@ -134,8 +140,8 @@ class StallingProxy(GcsFaultProxy):
 def stalling(gcs_emulator):
     proxies: list[StallingProxy] = []
 
-    def make(when: str = FIRST_METRICS_UPLOAD) -> StallingProxy:
-        p = StallingProxy(os.environ["STORAGE_EMULATOR_HOST"], when).start()
+    def make(when: str = FIRST_METRICS_UPLOAD, only: str | None = None) -> StallingProxy:
+        p = StallingProxy(os.environ["STORAGE_EMULATOR_HOST"], when, only).start()
         proxies.append(p)
         return p
 
@@ -242,3 +248,33 @@ def test_sigterm_while_a_checkpoint_save_is_stuck_ends_the_run(
     assert "does not answer" in line and "restartable" in line, line
     # The watcher's wait (20 s) and its probe (5 s), then the process is gone.
     assert took < 60, f"it took {took:.0f} s after SIGTERM to end"
+
+
+# A read of a train token shard's bytes (gcsfs downloads with alt=media; listings do not).
+SHARD_READ = r"^GET \S*train-\d{5}\.bin\S*alt=media"
+
+
+@pytest.mark.gcs
+def test_a_data_server_that_stops_answering_ends_the_run_within_the_retry_budget(
+    tmp_path, prepared, gs_run_uri, stalling
+) -> None:
+    """The dataset on gs://: once the run has stepped (its first metrics upload), the token
+    reads get no answer. A read is a storage call with a deadline like any other, from inside
+    Grain's reader threads: exit 45 and one sentence naming the data, within the budget."""
+    from jobspec.storage import url_to_fs
+
+    fs, path = url_to_fs(f"{gs_run_uri}/data")
+    fs.put(str(Path(prepared).parent) + "/", path, recursive=True)
+    proxy = stalling(when=FIRST_METRICS_UPLOAD, only=SHARD_READ)
+    # Steps enough that reads go on after the first upload, whatever the loader prefetched.
+    proc = _start(
+        tmp_path, f"{gs_run_uri}/data/manifest.json", gs_run_uri, "d4", proxy, retry_s=4,
+        training={"target_tokens": 16 * 8 * 400},
+    )  # fmt: skip
+    stalled = _wait_stalled(proc, proxy)
+    code, err, took = _ended(proc, stalled)
+    assert code == EXIT_STORAGE_FAULT, err[-3000:]
+    line = _one_error(err)
+    assert re.match(rf"error: cannot read \d+ token ranges of {gs_run_uri}/data/", line), line
+    assert "did not answer within" in line and "restartable" in line, line
+    assert took < 60, f"it took {took:.0f} s after the stall to end"

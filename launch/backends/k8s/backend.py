@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobspec.errors import ConfigError
 from jobspec.run_config import check_dns_label
+from jobspec.run_dir import SUMMARY
 from launch.backend import Handle, RenderedFile, Submission, tail_lines
 from launch.backends.k8s.render import (
     COMPLETION_INDEX_KEY,
@@ -325,7 +326,7 @@ def status_without_jobset(d: dict[str, Any]) -> dict[str, Any]:
     gone = (
         f"JobSet {d['namespace']}/{d['jobset']} no longer exists (deleted, or removed by its TTL)"
     )
-    uri = join(d["output_uri"], d["run_id"], "summaries/final.json")
+    uri = join(d["output_uri"], d["run_id"], SUMMARY)
     try:
         fs, path = url_to_fs(uri)
         summary = json.loads(fs.cat_file(path)) if fs.exists(path) else None

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from launch.backend import TERMINAL, Handle, tail_lines
+from launch.backends.local import procs
 from launch.backends.local.orphans import describe, live_hosts
 from launch.backends.local.supervisor import CANCEL_FILE, STATE_FILE, SUPERVISOR_LOG
 from launch.state import read_json
@@ -17,30 +17,18 @@ from launch.state import read_json
 SUPERVISOR_MODULE = "launch.backends.local"
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists (possibly owned by someone else)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, owned by someone else
-    return True
-
-
 def is_supervisor(pid: int | None) -> bool:
     """Whether `pid` is a live supervisor (not a zombie, not a recycled pid)."""
-    if not pid or not pid_alive(pid):
+    if not pid or not procs.alive(pid):
         return False
     proc = Path(f"/proc/{pid}")
     if not proc.exists():
         return True  # no procfs (macOS): the signal check is all there is
     try:
-        stat = (proc / "stat").read_text()
         cmdline = (proc / "cmdline").read_bytes()
     except OSError:
         return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and SUPERVISOR_MODULE.encode() in cmdline
+    return SUPERVISOR_MODULE.encode() in cmdline
 
 
 def _not_started(run_dir: Path, pid: int | None, alive: bool, cancel_asked: bool) -> dict[str, Any]:

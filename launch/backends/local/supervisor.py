@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.exit_codes import EXIT_HOST_LOST, is_restartable
+from jobspec.run_dir import EVENTS
 from launch.backend import TERMINAL
 from launch.backends.local import procs
 from launch.state import read_json, utc_now, write_json_atomic
@@ -402,7 +403,7 @@ class Supervisor:
                 "exit_code": EXIT_HOST_LOST, "host": lost.host, "attempt": attempt,
                 "recorded_by": "the local supervisor",
             }  # fmt: skip
-            store.append_jsonl("events.jsonl", [event])
+            store.append_jsonl(EVENTS, [event])
         except Exception as e:  # noqa: BLE001 - the run goes on; the log says what was missed
             self.say(f"warning: could not record the failure event in {output_uri}: {e}")
 

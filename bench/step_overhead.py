@@ -56,8 +56,9 @@ def runtime_step(cfg):
     t = cfg.training
     mesh = build_mesh(cfg.mesh)
     b_sh = batch_sharding(mesh, 3, leading=1)
-    host = random_batch(cfg, 1, t.global_batch_size, np.random.default_rng(0))
-    shape = (1, t.global_batch_size, t.seq_len)
+    accum = t.gradient_accumulation_steps  # one optimizer step's microbatches, as the loop's
+    host = random_batch(cfg, accum, t.global_batch_size, np.random.default_rng(0))
+    shape = (accum, t.global_batch_size, t.seq_len)
     batch = {k: jax.make_array_from_process_local_data(b_sh, v, shape) for k, v in host.items()}
     tx, schedule = build_optimizer(cfg.optimizer, t.total_steps)
     parts = build_model(cfg.model, cfg.run.seed, mesh)

@@ -64,6 +64,30 @@ def test_resume_is_exact(tmp_path, prepared):
     assert all(np.array_equal(a, b) for a, b in zip(p1, p2, strict=True))
     events = [e["event"] for e in read_jsonl(tmp_path / "split/events.jsonl")]
     assert events.count("start") == 1 and events.count("resume") == 1 and events[-1] == "finish"
+    # Every attempt ran the step compiled beside the model's build (program.py AheadStep), and
+    # the bitwise equality above holds with it.
+    for run in ("whole", "split"):
+        firsts = [
+            e for e in read_jsonl(tmp_path / run / "events.jsonl") if e["event"] == "first_step"
+        ]
+        assert firsts and all(e["compiled_ahead"] for e in firsts), firsts
+
+
+def test_a_resumed_run_with_another_schedule_length_compiles_its_own_step(tmp_path, prepared):
+    """The step compiled ahead bakes in a fresh run's schedule length; a resumed run that keeps
+    its checkpoint's (here 20 steps, where a fresh run of 30 would decay over 30) must not run
+    it: the step is compiled for the run's own schedule, and the learning rates say so."""
+    cfg = tiny_config(prepared, str(tmp_path), run_id="sched")
+    _train(cfg, resume=False)
+    longer = tiny_config(prepared, str(tmp_path), run_id="sched",
+                         training={"target_tokens": 16 * 8 * 30})  # fmt: skip
+    _train(longer, resume=True)
+    firsts = [e for e in read_jsonl(tmp_path / "sched/events.jsonl") if e["event"] == "first_step"]
+    assert [e["compiled_ahead"] for e in firsts] == [True, False], firsts
+    rows = read_jsonl(tmp_path / "sched/metrics/train.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    # Past its 20-step decay the schedule rests at its floor; a 30-step one would still fall.
+    assert len({r["lr"] for r in rows[20:]}) == 1 and rows[20]["lr"] < rows[19]["lr"]
 
 
 def test_raising_target_tokens_continues(tmp_path, prepared):

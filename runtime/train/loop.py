@@ -43,7 +43,7 @@ from runtime.train.cadence import Cadence, Due
 from runtime.train.evaluate import Evaluator
 from runtime.train.metrics import NONFINITE_KEYS, TrainMetrics
 from runtime.train.optim import build_optimizer
-from runtime.train.program import train_program
+from runtime.train.program import AheadStep, compile_ahead, train_program
 from runtime.train.start import initial_state, open_run
 from runtime.train.state import TrainState, model_state_record
 
@@ -98,6 +98,9 @@ def _prepare(
     from_step: int | None = None,
 ) -> Run:
     fp = run_fingerprint(cfg, manifest)
+    say("lowering the train step; XLA compiles it while the model is built")
+    with ledger.timing(buckets.COMPILE):  # its tracing; XLA's compile is timed at step 1
+        ahead = compile_ahead(cfg, mesh)
     say(f"building the model on a {_mesh_text(mesh)} mesh")
     with ledger.timing(buckets.MODEL_INIT):  # a restore inside it is timed as restore
         parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
@@ -110,7 +113,9 @@ def _prepare(
         manifest, cfg.data, t, cfg.run.seed, jax.process_index(), jax.process_count()
     )
     b_sh = batch_sharding(mesh, 3, leading=1)
-    step_fn = train_program(cfg, parts, tx, schedule, init.shardings, mesh)
+    step_fn = ahead.bind(
+        train_program(cfg, parts, tx, schedule, init.shardings, mesh), init.decay_steps
+    )
     say("opening the run's records")
     sinks = MetricSinks.open(
         cfg.metrics, store, run_id=cfg.run.id, start_step=init.step, config=resolved_dict(cfg)
@@ -311,7 +316,12 @@ def _step(run: Run, it: Iterator, emit, t_start: float) -> tuple[Any, dict]:
         run.profile.start(step, emit)
     first = step == run.start_step + 1
     if first:
-        run.say(f"compiling the train step, then step {step}")
+        pending = isinstance(run.step_fn, AheadStep) and run.step_fn.pending
+        run.say(
+            f"finishing the train step's compile, then step {step}"
+            if pending
+            else f"compiling the train step, then step {step}"
+        )
     ledger.switch(ledger.step_bucket(step, first_of_attempt=first))
     run.state, outputs = run.step_fn(run.state, batch)
     run.step = step
@@ -320,8 +330,12 @@ def _step(run: Run, it: Iterator, emit, t_start: float) -> tuple[Any, dict]:
         # The first step of an attempt includes compilation: time it alone, then start the
         # throughput clock, so tokens/s measures steady-state steps only.
         jax.block_until_ready(outputs)
+        ahead = isinstance(run.step_fn, AheadStep) and run.step_fn.used
         run.art.event(
-            EventKind.FIRST_STEP, step=step, seconds_since_start=time.perf_counter() - t_start
+            EventKind.FIRST_STEP,
+            step=step,
+            seconds_since_start=time.perf_counter() - t_start,
+            compiled_ahead=ahead,  # the step's compile ran beside the model's build
         )
         run.metrics.meter.mark(step)
     return outputs, item.provenance

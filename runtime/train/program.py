@@ -8,7 +8,10 @@ devices: the same function, shardings and donation, with ShapeDtypeStructs for e
 
 from __future__ import annotations
 
+import atexit
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import jax
@@ -85,11 +88,16 @@ class AbstractProgram:
     parts: ModelParts
 
 
-def abstract_program(cfg: RunConfig, mesh: Mesh) -> AbstractProgram:
-    """What `runtime worker` would compile on `mesh`, with no array materialised or data read."""
+def default_decay_steps(cfg: RunConfig) -> int:
+    """The schedule's length for a run that starts afresh (a resumed one keeps its own)."""
+    return cfg.optimizer.schedule.decay_steps or cfg.training.total_steps
+
+
+def abstract_program(cfg: RunConfig, mesh: Mesh, decay_steps: int | None = None) -> AbstractProgram:
+    """What `runtime worker` would compile on `mesh`, with no array materialised or data read
+    (`decay_steps`: the schedule's length, `default_decay_steps` unless given)."""
     parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=False, abstract_others=True)
-    total = cfg.training.total_steps
-    tx, schedule = build_optimizer(cfg.optimizer, cfg.optimizer.schedule.decay_steps or total)
+    tx, schedule = build_optimizer(cfg.optimizer, decay_steps or default_decay_steps(cfg))
     state_sh = state_shardings(parts, tx, mesh)
     rep = state_sh.step
     state = TrainState(
@@ -101,3 +109,73 @@ def abstract_program(cfg: RunConfig, mesh: Mesh) -> AbstractProgram:
     )
     step = train_program(cfg, parts, tx, schedule, state_sh, mesh)
     return AbstractProgram(step=step, state=state, batch=abstract_batch(cfg, mesh), parts=parts)
+
+
+class AheadStep:
+    """The train step, compiled on a background thread while the model is built.
+
+    `compile_ahead` traces and lowers the run's step from abstract arguments (the program
+    `runtime plan` compiles) and hands XLA's compile to a thread, so on an accelerator the step's
+    compile and the parameter init's run side by side instead of one after the other. The first
+    call takes that compiled program when it matches what the run built (the schedule's length;
+    the arguments' shapes and shardings, which the compiled program checks itself); otherwise,
+    or if the compile failed, the jitted step compiles as it always did."""
+
+    def __init__(self, lowered_for: int, future: Future) -> None:
+        self.decay_steps = lowered_for
+        self._future: Future | None = future
+        self._jitted: Callable | None = None
+        self._compiled: Callable | None = None
+        self.used = False  # whether the steps run the program compiled ahead
+
+    def bind(self, jitted: Callable, decay_steps: int) -> AheadStep:
+        """The run's own jitted step, and its schedule's length (a resumed run's may differ)."""
+        self._jitted = jitted
+        if decay_steps != self.decay_steps:
+            self._future = None
+        return self
+
+    @property
+    def pending(self) -> bool:
+        """Whether the first call will take the program compiled ahead (if it matches)."""
+        return self._future is not None
+
+    def __call__(self, state: TrainState, batch: dict[str, jax.Array]):
+        if self._compiled is not None:
+            return self._compiled(state, batch)
+        assert self._jitted is not None, "AheadStep.bind() first"
+        future, self._future = self._future, None
+        if future is not None:
+            try:
+                compiled = future.result()
+                out = compiled(state, batch)  # checks the arguments before it runs
+            except (TypeError, ValueError):  # not this run's program: nothing was donated
+                pass
+            else:
+                self._compiled, self.used = compiled, True
+                return out
+        self._compiled = self._jitted
+        return self._jitted(state, batch)
+
+
+def compile_ahead(cfg: RunConfig, mesh: Mesh) -> AheadStep:
+    """Lower a fresh run's train step here and compile it on a thread (see `AheadStep`)."""
+    decay = default_decay_steps(cfg)
+    prog = abstract_program(cfg, mesh, decay)
+    lowered = prog.step.lower(prog.state, prog.batch)
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(lowered.compile())
+        except BaseException as e:  # handed to the first step, which raises it as jit would
+            future.set_exception(e)
+
+    thread = threading.Thread(target=run, name="jaxjob-compile-ahead", daemon=True)
+    # A run that ends before its first step (a refused resume, a bad input) must let the compile
+    # finish before Python tears down: a thread still inside XLA then aborts the process
+    # (SIGABRT, "exception not rethrown") instead of its own exit code. Registered now, after
+    # JAX's own exit handlers, so it runs before them.
+    atexit.register(thread.join)
+    thread.start()
+    return AheadStep(decay, future)

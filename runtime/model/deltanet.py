@@ -159,14 +159,12 @@ def chunked_gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule over chunks of `chunk_size` tokens (module docstring: the contract).
 
-    Within a chunk, the delta-rule writes form a unit lower-triangular system (the WY/UT
-    transform) solved exactly in fp32 (blocked inversion; any `chunk_size`, powers of two
-    waste nothing); a `lax.scan` carries the [B, Hv, dk, dv] state across chunks. T is padded
-    to a multiple of `chunk_size` with identity steps. `precision` is the matmul precision.
-    HIGHEST keeps fp32 matmuls fp32 on TPU: JAX's default there (one bf16 pass) left errors of
-    ~0.7% of the outputs' scale on a v5e, HIGHEST 2e-6 for about 1.35x the time, "high"
-    (three passes) 3e-5. On CPU the choice costs nothing.
-    """
+    Within a chunk, the delta-rule writes form a unit lower-triangular system (the WY/UT transform)
+    solved exactly in fp32 (blocked inversion; any `chunk_size`, powers of two waste nothing); a
+    `lax.scan` carries the [B, Hv, dk, dv] state across chunks. T is padded to a multiple of
+    `chunk_size` with identity steps. `precision`: HIGHEST keeps fp32 matmuls fp32 on TPU (JAX's
+    default there, one bf16 pass, left errors of ~0.7% of the outputs' scale on a v5e; HIGHEST
+    2e-6 for about 1.35x the time, "high" 3e-5). On CPU the choice costs nothing."""
     out_dtype = v.dtype
     q, k, v, g, beta, state, starts, padding = _prepare(
         q, k, v, g, beta, initial_state, segment_ids, use_qk_l2norm, scale

@@ -35,16 +35,23 @@ def _imports(path: Path, module: str) -> set[str]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    files = {_module_name(p, root): p for pkg in packages for p in (root / pkg).rglob("*.py")}
     graph = {}
     for mod, path in files.items():
+        named = _imports(path, mod)
         deps = set()
-        for name in _imports(path, mod):
+        for name in named:
             # `import a.b.c` also runs a and a.b: each enclosing package is a dependency.
             parts = name.split(".")
             deps |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
-        graph[mod] = {d for d in deps if d in files and d != mod and not mod.startswith(d + ".")}
+        # A module's own enclosing packages are implied by its being imported at all, but one it
+        # names (`from launch.backends.local import procs` in launch/backends/local/x.py) is an
+        # edge like any other: a cycle through that package's __init__.
+        graph[mod] = {
+            d for d in deps
+            if d in files and d != mod and (d in named or not mod.startswith(d + "."))
+        }  # fmt: skip
     return graph
 
 
@@ -68,6 +75,23 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if u not in state and (found := visit(u)):
             return found
     return None
+
+
+def test_a_module_that_names_its_own_package_is_an_edge(tmp_path: Path) -> None:
+    """A submodule importing `from <its package> import x` runs the package's __init__, which
+    imports the submodule: a cycle, found; `from <package>.x import y` is none."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from pkg import a\n")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("X = 1\n")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))) == [
+        "pkg",
+        "pkg.a",
+        "pkg",
+    ]
+    (pkg / "a.py").write_text("from pkg.b import X\n")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))) is None
 
 
 def test_find_cycle_finds_one() -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launch.backends.local import procs
+from launch.backends.local.procs import alive
 from launch.backends.local.supervisor import PLAN_FILE, POLL_S, STATE_FILE
 from launch.state import read_json, utc_now, write_json_atomic
 
@@ -26,7 +26,7 @@ def live_hosts(st: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         h
         for h in st.get("hosts", [])
-        if h.get("returncode") is None and procs.alive(h["pid"], h.get("start"))
+        if h.get("returncode") is None and alive(h["pid"], h.get("start"))
     ]
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from launch.backend import TERMINAL, Handle, tail_lines
-from launch.backends.local import procs
 from launch.backends.local.orphans import describe, live_hosts
+from launch.backends.local.procs import alive as process_alive
 from launch.backends.local.supervisor import CANCEL_FILE, STATE_FILE, SUPERVISOR_LOG
 from launch.state import read_json
 
@@ -19,7 +19,7 @@ SUPERVISOR_MODULE = "launch.backends.local"
 
 def is_supervisor(pid: int | None) -> bool:
     """Whether `pid` is a live supervisor (not a zombie, not a recycled pid)."""
-    if not pid or not procs.alive(pid):
+    if not pid or not process_alive(pid):
         return False
     proc = Path(f"/proc/{pid}")
     if not proc.exists():

@@ -42,7 +42,7 @@ from typing import Any
 from jobspec.exit_codes import EXIT_HOST_LOST, is_restartable
 from jobspec.run_dir import EVENTS
 from launch.backend import TERMINAL
-from launch.backends.local import procs
+from launch.backends.local.procs import is_stopped, start_time
 from launch.state import read_json, utc_now, write_json_atomic
 
 PLAN_FILE = "plan.json"
@@ -257,9 +257,7 @@ class Supervisor:
                     preexec_fn=self.preexec,
                 )
             self.procs.append(proc)
-            self.state.hosts.append(
-                HostState(i, proc.pid, str(path), start=procs.start_time(proc.pid))
-            )
+            self.state.hosts.append(HostState(i, proc.pid, str(path), start=start_time(proc.pid)))
         self.say(
             f"attempt {attempt}: started {n} hosts {[p.pid for p in self.procs]} on port {port}"
         )
@@ -301,7 +299,7 @@ class Supervisor:
                     self.stopped = [
                         o.index
                         for o, q in zip(self.state.hosts, self.procs, strict=True)
-                        if q.poll() is None and procs.is_stopped(o.pid)
+                        if q.poll() is None and is_stopped(o.pid)
                     ]
                     self.signal_running(signal.SIGTERM)
                     for i in self.stopped:  # it would never act on the SIGTERM

@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -204,16 +205,10 @@ _process_policy = DEFAULT_RETRY
 
 
 def use_policy(policy: RetryPolicy) -> None:
-    """The policy of storage calls made deep inside libraries' threads (a run's data reads, in
-    Grain's readers), which no caller hands one: a run sets its runtime.storage_retry_s here once,
-    at its start."""
+    """The policy of `with_retries` calls given none (a run's data reads, deep in Grain's reader
+    threads): a run sets its runtime.storage_retry_s here once, at its start."""
     global _process_policy
     _process_policy = policy
-
-
-def process_policy() -> RetryPolicy:
-    """The policy `use_policy` set (DEFAULT_RETRY until then)."""
-    return _process_policy
 
 
 # Called before each retry's wait: a host that retries storage is alive and working, so the
@@ -230,16 +225,17 @@ def on_retry(listener: Callable[[], None], *, remove: bool = False) -> None:
         _retry_listeners.append(listener)
 
 
-def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy = DEFAULT_RETRY) -> T:
+def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy | None = None) -> T:
     """`fn()`, retried while it fails with a storage fault or does not answer in time; once the
     retries are spent, the fault is a StorageFaultError naming `what` (e.g. "write
     gs://b/run/x.json") and the original error. Any other exception passes through untouched,
-    for the caller to put in its own words.
+    for the caller to put in its own words. Without `policy`, the process's (`use_policy`).
 
     After a stop was asked for (`interrupt`) a call is given up STOP_GRACE_S after the stop (or
     after it started), retries included; once an earlier call gave up on a storage that does not
     answer, a call gets one short try (DOWN_TRY_S) and no retries. The process is on its way out
     then and must not be held there."""
+    policy = policy or _process_policy
     start = time.monotonic()
     tries = 0
     while True:
@@ -363,33 +359,36 @@ def _stop_end(since: float, stop_at: float) -> float:
     return max(since, stop_at) + STOP_GRACE_S
 
 
+def in_background(fn: Callable[[], T], name: str = "jaxjob-storage-call") -> Future:
+    """`fn()` on a daemon thread, and its Future: for a call that cannot be cancelled from
+    outside (a storage read blocked in a socket, an XLA compile) and must not hold the process at
+    its exit the way an executor's threads, which are joined then, would."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 def _attempt(fn: Callable[[], T], limit_s: float, *, since: float | None = None) -> T:
     """`fn()` in a daemon thread, waited for at most `limit_s` (after a stop, at most until
     STOP_GRACE_S after the stop or `since`, when the call began); NoAnswer if it has not
     returned by then. The caller's thread only waits, so signal handlers run."""
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # handed to the caller's thread as is
-            box["error"] = e
-        finally:
-            done.set()
-
     began = time.monotonic()
-    threading.Thread(target=run, name="jaxjob-storage-call", daemon=True).start()
-    while not done.wait(_POLL_S):
+    future = in_background(fn)
+    while not wait([future], timeout=_POLL_S).done:
         now, state = time.monotonic(), _state
         end = began + limit_s
         if since is not None and state.stop_at is not None:
             end = min(end, _stop_end(since, state.stop_at))
         if now >= end:
             raise NoAnswer(_no_answer(now - began, began))
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return future.result()
 
 
 def _no_answer(took: float, began: float) -> str:

@@ -85,11 +85,7 @@ def test_a_module_that_names_its_own_package_is_an_edge(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("from pkg import a\n")
     (pkg / "a.py").write_text("from pkg import b\n")
     (pkg / "b.py").write_text("X = 1\n")
-    assert find_cycle(import_graph(tmp_path, ("pkg",))) == [
-        "pkg",
-        "pkg.a",
-        "pkg",
-    ]
+    assert find_cycle(import_graph(tmp_path, ("pkg",))) == ["pkg", "pkg.a", "pkg"]
     (pkg / "a.py").write_text("from pkg.b import X\n")
     assert find_cycle(import_graph(tmp_path, ("pkg",))) is None
 

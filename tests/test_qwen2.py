@@ -109,8 +109,6 @@ def test_config_json_round_trip_and_counts(tmp_path):
     }
     assert fields["head_dim"] == cfg.resolved_head_dim
     assert hf_config_from_model({**cfg.model_dump(), **fields}) == hf
-    # transformers reads the exported config.json as the same model.
-    assert transformers.Qwen2Config(**hf).head_dim == cfg.resolved_head_dim
     counts = parameter_counts(cfg)
     assert counts["total"] == sum(x.size for x in jax.tree.leaves(parts.params))
 

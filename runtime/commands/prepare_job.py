@@ -33,7 +33,6 @@ Records under `<output_uri>/<run_id>/`, as for a training run: `manifest.json` (
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import multiprocessing as mp
 import re
@@ -51,16 +50,12 @@ from jobspec.errors import DataError, JaxjobError
 from jobspec.exit_codes import EXIT_FAILED, EXIT_RESTARTABLE
 from jobspec.load import merge
 from jobspec.prepare_job import PrepareJobConfig, load_prepare_config
-from jobspec.run_dir import MANIFEST, SOURCE_CONFIG
+from jobspec.run_dir import MANIFEST, SOURCE_CONFIG, now
 from jobspec.storage import RetryPolicy, join
 from runtime.host import boot, hostlog, startup
 
 POLL_S = 0.5  # how often a waiting host asks the key-value store
 LEAVE_WAIT_S = 30.0  # longest host 0 waits, on a failure, for the others to leave first
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
 
 
 def _parts(indices: list[int]) -> str:
@@ -204,7 +199,7 @@ class PrepareHost:
             "share.json",
             {"attempt": self.info.attempt, "share": [i, n], "plan": rep.plan, "parts": rep.parts,
              "written": rep.written, "skipped": rep.skipped,
-             "seconds": round(time.monotonic() - started, 3), "time": _now()},
+             "seconds": round(time.monotonic() - started, 3), "time": now()},
         )  # fmt: skip
         self.sync.set(
             f"share/{i}",
@@ -309,7 +304,7 @@ class PrepareHost:
 
     def _start_record(self) -> None:
         self.store.write_text(SOURCE_CONFIG, self.source)
-        created = _now()
+        created = now()
         if self.store.exists(MANIFEST):  # an earlier attempt's: keep when the run began
             created = self.store.read_json(MANIFEST).get("created", created)
         self._record = {"created": created}
@@ -319,7 +314,7 @@ class PrepareHost:
         )  # fmt: skip
 
     def _update_record(self, **fields: Any) -> None:
-        self._record.update(fields, updated=_now())
+        self._record.update(fields, updated=now())
         self.store.write_json(MANIFEST, self._record)
 
 

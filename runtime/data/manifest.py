@@ -50,7 +50,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from jobspec.errors import DataError
-from jobspec.storage import is_remote, join, process_policy, url_to_fs, with_retries
+from jobspec.storage import is_remote, join, url_to_fs, with_retries
 from runtime.data.samples import read_digests
 
 FORMAT = "jaxjob.tokens"
@@ -220,7 +220,7 @@ def _sizes(fs: Any, paths: list[str]) -> dict[str, int | None]:
     for d, ps in by_dir.items():
         fs.invalidate_cache(d)  # gcsfs caches listings; a prepare may have just written here
         try:
-            found = with_retries(lambda d=d: fs.ls(d, detail=True), f"list {d}", process_policy())
+            found = with_retries(lambda d=d: fs.ls(d, detail=True), f"list {d}")
             listing = {e["name"].rstrip("/"): e for e in found}
         except FileNotFoundError:
             listing = {}
@@ -237,7 +237,7 @@ def _read_all(fs: Any, path: str, uri: str) -> bytes:
         with fs.open(path, "rb") as f:
             return f.read()
 
-    return with_retries(read, f"read {uri}", process_policy())
+    return with_retries(read, f"read {uri}")
 
 
 def load_manifest(uri: str) -> Manifest:
@@ -366,9 +366,7 @@ def _check_files(m: Manifest, uri: str) -> None:
             )
     # Same sizes: compare sampled blocks, so a file overwritten in place is refused here.
     sampled = {p: expected[u][1] for p, u in paths.items() if expected[u][2] is not None}
-    digests = with_retries(
-        lambda: read_digests(fs, sampled), f"read the files of {uri}", process_policy()
-    )
+    digests = with_retries(lambda: read_digests(fs, sampled), f"read the files of {uri}")
     for p, digest in digests.items():
         what, _, want_digest = expected[paths[p]]
         if digest != want_digest:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from jobspec.errors import DataError
-from jobspec.storage import is_remote, process_policy, url_to_fs, with_retries
+from jobspec.storage import is_remote, url_to_fs, with_retries
 from runtime.data.manifest import Manifest, read_offsets
 from runtime.data.order import DOCUMENT_STREAM, EpochCache, permutation
 
@@ -66,9 +66,7 @@ class TokenStream:
             fs, path = f
             size = self.dtype.itemsize
             data = with_retries(
-                lambda: fs.cat_file(path, start=lo * size, end=hi * size),
-                f"read {self._uris[i]}",
-                process_policy(),
+                lambda: fs.cat_file(path, start=lo * size, end=hi * size), f"read {self._uris[i]}"
             )
             return np.frombuffer(data, dtype=self.dtype)
         return f[lo:hi]
@@ -131,7 +129,6 @@ class TokenStream:
         pieces = with_retries(
             lambda: fs.cat_ranges(paths, lo, hi, on_error="raise"),
             f"read {len(paths)} token ranges of {self._uris[0].rsplit('/', 1)[0]}/",
-            process_policy(),
         )
         for (r, col), data in zip(where, pieces, strict=True):
             piece = np.frombuffer(data, dtype=self.dtype)

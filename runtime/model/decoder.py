@@ -29,7 +29,7 @@ def cache_mask(index: jax.Array, t: int, slots: int) -> jax.Array:
     return (jnp.arange(slots)[None, :] <= q_slots[:, None])[None]
 
 
-def _layer_forward(layer: nnx.Module, x: jax.Array, *args: Any) -> tuple[jax.Array, Any]:
+def layer_forward(layer: nnx.Module, x: jax.Array, *args: Any) -> tuple[jax.Array, Any]:
     """A layer that returns (x, its decoding cache, its MoE stats or None) -> (x, stats)."""
     out, _, stats = layer(x, *args)
     return out, stats
@@ -92,7 +92,7 @@ class DecoderBase(nnx.Module):
     def run_layers(self, x: jax.Array, *args: Any) -> tuple[jax.Array, MoEStats | None]:
         """x through every layer of `layers` (each called as layer(x, *args, ...) -> (x, cache,
         stats)) under the remat policy -> (x, the MoE layers' stats stacked in layer order)."""
-        forward = self.remat(_layer_forward)
+        forward = self.remat(layer_forward)
         stats = []
         for layer in self.layers:
             x, s = forward(layer, x, *args)

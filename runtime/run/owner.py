@@ -47,8 +47,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, wait
 from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import quote
@@ -60,6 +59,7 @@ from jobspec.storage import (
     DEFAULT_RETRY,
     NoAnswer,
     RetryPolicy,
+    in_background,
     is_remote,
     join,
     url_to_fs,
@@ -339,20 +339,18 @@ class RunClaim:
 
     def _renew_loop(self, interval: float) -> None:
         renewed = time.monotonic()
-        stuck: Future | None = None  # a renewal that did not answer in time, still running
-        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxjob-owner-renew")
+        pending: Future | None = None  # a renewal that did not answer in time, still running
         while not self._stop.wait(interval):
             try:
                 # Each renewal has until the next one is due: one whose storage stopped answering
-                # is a failed try like any fault (never a thread stuck for good), and is not
+                # is a failed try like any fault (never this thread stuck for good), and is not
                 # started again on top of itself.
-                if stuck is None or stuck.done():
-                    stuck = pool.submit(self.renew)
-                try:
-                    stuck.result(timeout=interval)
-                except FutureTimeout:
-                    raise NoAnswer(f"{self.uri} did not answer within {interval:g} s") from None
-                stuck = None
+                if pending is None or pending.done():
+                    pending = in_background(self.renew, "jaxjob-owner-renew")
+                if not wait([pending], timeout=interval).done:
+                    raise NoAnswer(f"{self.uri} did not answer within {interval:g} s")
+                pending.result()  # its fault, if it failed
+                pending = None
                 renewed = time.monotonic()
             except RunOwnedError as e:
                 from runtime.host import hostlog

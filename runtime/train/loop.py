@@ -66,7 +66,7 @@ class Run:
     metrics: TrainMetrics
     batches: TokenBatches
     evaluator: Evaluator
-    step_fn: Callable
+    step_fn: AheadStep
     state: TrainState
     start_step: int
     data_state: dict | None
@@ -316,10 +316,9 @@ def _step(run: Run, it: Iterator, emit, t_start: float) -> tuple[Any, dict]:
         run.profile.start(step, emit)
     first = step == run.start_step + 1
     if first:
-        pending = isinstance(run.step_fn, AheadStep) and run.step_fn.pending
         run.say(
             f"finishing the train step's compile, then step {step}"
-            if pending
+            if run.step_fn.pending
             else f"compiling the train step, then step {step}"
         )
     ledger.switch(ledger.step_bucket(step, first_of_attempt=first))
@@ -330,12 +329,11 @@ def _step(run: Run, it: Iterator, emit, t_start: float) -> tuple[Any, dict]:
         # The first step of an attempt includes compilation: time it alone, then start the
         # throughput clock, so tokens/s measures steady-state steps only.
         jax.block_until_ready(outputs)
-        ahead = isinstance(run.step_fn, AheadStep) and run.step_fn.used
         run.art.event(
             EventKind.FIRST_STEP,
             step=step,
             seconds_since_start=time.perf_counter() - t_start,
-            compiled_ahead=ahead,  # the step's compile ran beside the model's build
+            compiled_ahead=run.step_fn.used,  # its compile ran beside the model's build
         )
         run.metrics.meter.mark(step)
     return outputs, item.provenance

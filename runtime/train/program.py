@@ -9,9 +9,8 @@ devices: the same function, shardings and donation, with ShapeDtypeStructs for e
 from __future__ import annotations
 
 import atexit
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import jax
@@ -20,6 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from jobspec.run_config import RunConfig
+from jobspec.storage import in_background
 from runtime.model.build import ModelParts, build_model
 from runtime.model.sharding import batch_sharding, on_mesh, replicated
 from runtime.train.optim import build_optimizer
@@ -118,8 +118,9 @@ class AheadStep:
     `runtime plan` compiles) and hands XLA's compile to a thread, so on an accelerator the step's
     compile and the parameter init's run side by side instead of one after the other. The first
     call takes that compiled program when it matches what the run built (the schedule's length;
-    the arguments' shapes and shardings, which the compiled program checks itself); otherwise,
-    or if the compile failed, the jitted step compiles as it always did."""
+    the arguments' shapes and shardings, which the compiled program checks itself); otherwise
+    the jitted step compiles as it always did. A compile that failed (out of memory) raises at
+    the first step, as the jitted step's own compile would."""
 
     def __init__(self, lowered_for: int, future: Future) -> None:
         self.decay_steps = lowered_for
@@ -159,23 +160,15 @@ class AheadStep:
 
 
 def compile_ahead(cfg: RunConfig, mesh: Mesh) -> AheadStep:
-    """Lower a fresh run's train step here and compile it on a thread (see `AheadStep`)."""
+    """Lower the train step of a run with a fresh schedule here and compile it on a thread (see
+    `AheadStep`)."""
     decay = default_decay_steps(cfg)
     prog = abstract_program(cfg, mesh, decay)
     lowered = prog.step.lower(prog.state, prog.batch)
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(lowered.compile())
-        except BaseException as e:  # handed to the first step, which raises it as jit would
-            future.set_exception(e)
-
-    thread = threading.Thread(target=run, name="jaxjob-compile-ahead", daemon=True)
+    future = in_background(lowered.compile, "jaxjob-compile-ahead")
     # A run that ends before its first step (a refused resume, a bad input) must let the compile
     # finish before Python tears down: a thread still inside XLA then aborts the process
     # (SIGABRT, "exception not rethrown") instead of its own exit code. Registered now, after
     # JAX's own exit handlers, so it runs before them.
-    atexit.register(thread.join)
-    thread.start()
+    atexit.register(wait, [future])
     return AheadStep(decay, future)

@@ -52,7 +52,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jobspec.families.model_config import ModelConfig
 from runtime.model import attention
-from runtime.model.decoder import DecoderBase, cache_mask
+from runtime.model.decoder import DecoderBase, cache_mask, layer_forward
 from runtime.model.layers import (
     ACT_EMBED,
     ACT_HEADS,
@@ -240,8 +240,7 @@ def _scan_blocks(
     graphdef, state = nnx.split(stacked)
 
     def body(x: jax.Array, layer_state: Any) -> tuple[jax.Array, MoEStats | None]:
-        out, _, stats = nnx.merge(graphdef, layer_state)(x, cos, sin, segment_ids)
-        return out, stats
+        return layer_forward(nnx.merge(graphdef, layer_state), x, cos, sin, segment_ids)
 
     if policy is not None:
         # Inside scan, CSE across iterations cannot undo the remat, so prevent_cse can be off.

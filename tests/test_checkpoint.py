@@ -142,6 +142,37 @@ def test_async_step_enters_the_index_only_once_committed(
     svc.close()
 
 
+def test_a_save_says_how_long_it_waited_for_the_one_before(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`waited_s`: the part of a save spent finishing the previous one (its write, checksums,
+    retention), which the loop reports beside the whole pause."""
+    import types
+
+    from runtime.run import checkpoint as checkpoint_module
+    from runtime.run import checksums
+
+    clock = [0.0]
+    monkeypatch.setattr(
+        checkpoint_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0])
+    )
+    real_record = checksums.record
+
+    def record_taking_7_s(*args):
+        clock[0] += 7.0
+        return real_record(*args)
+
+    monkeypatch.setattr(checksums, "record", record_taking_7_s)
+    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=3, async_save=True)
+    with monkeypatch.context() as m:  # step 1 still writing when its save returns
+        m.setattr(svc._mgr, "is_saving_in_progress", lambda: True)
+        save(svc, 1)
+    assert svc.waited_s == 0.0  # nothing before it
+    save(svc, 2)  # finishes step 1 first: its checksums take 7 s of the clock
+    assert svc.waited_s == 7.0
+    svc.close()
+
+
 def test_save_that_did_not_commit_fails_loudly_and_is_not_indexed(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

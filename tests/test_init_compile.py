@@ -1,4 +1,5 @@
-"""Scanned layers are initialised by one vmapped build (`layers.build_stacked`), not layer by layer:
+"""Scanned layers are initialised by one build of a layer, looped or batched over the layers
+(`layers.build_stacked`), not layer by layer:
 the parameters are bit for bit those of the per-layer build then `stack_layers` (the unrolled
 model's draws, stacked), and the init program does not grow with `num_layers`.
 
@@ -85,12 +86,13 @@ CASES = [
 ]
 
 
-# threefry2x32 (JAX's default) is built under jax.vmap; the rbg implementations under lax.map.
+# Eagerly threefry2x32 (JAX's default) is built under jax.vmap (rbg keys layer by layer); jitted,
+# as build_model runs it, every implementation in a lax.map over the layers.
 @pytest.mark.parametrize(("family", "over"), CASES)
 @pytest.mark.parametrize(
     ("num_layers", "impl"), [(1, "threefry2x32"), (3, "threefry2x32"), (3, "unsafe_rbg")]
 )
-def test_vmapped_init_is_the_per_layer_init_bit_for_bit(
+def test_stacked_init_is_the_per_layer_init_bit_for_bit(
     family: str, over: dict[str, Any], num_layers: int, impl: str
 ) -> None:
     cfg = _cfg(family, num_layers, **over)
@@ -151,3 +153,29 @@ def test_init_program_does_not_grow_with_depth(family: str, impl: str) -> None:
     deep = _init_jaxpr_counts(_cfg(family, 8, tie_word_embeddings=False), impl)
     assert shallow[1] > 0  # the counter does see the initialisers
     assert deep == shallow
+
+
+def _random_shapes(jaxpr: Any) -> list[tuple[int, ...]]:
+    """The output shapes of every random-bits equation in a jaxpr and its sub-jaxprs."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if "random_bits" in eqn.primitive.name:
+            shapes += [tuple(v.aval.shape) for v in eqn.outvars]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            shapes += _random_shapes(sub)
+    return shapes
+
+
+def test_jitted_init_draws_one_layer_at_a_time() -> None:
+    """XLA's TPU compile time grows with the size of each random array (the 0.6B init: 23.8 s
+    batched over the layers, 2.8 s looped), so the jitted init draws per-layer arrays in a loop:
+    no random array has the layer axis."""
+    layers = 5
+    cfg = _cfg("qwen3", layers, intermediate_size=48)
+
+    def init() -> Any:
+        return nnx.split(build_model_module(cfg, rngs=nnx.Rngs(params=0)), nnx.Param, ...)[1]
+
+    shapes = _random_shapes(jax.make_jaxpr(init)().jaxpr)
+    assert (32, 48) in shapes  # a layer's MLP kernel, drawn inside the loop
+    assert not [shape for shape in shapes if shape[:1] == (layers,)], shapes

@@ -18,7 +18,7 @@ STEPS = 6
 # What may differ between a 1-process and an N-process run of the same job: timings, the
 # host count, and the output root (each layout writes under its own folder).
 VARIES = {"time", "step_time", "tokens_per_s", "elapsed", "wall_time_s", "created", "updated",
-          "seconds_since_start", "blocked_s", "tokens_per_s_median", "output_uri", "topology.process_count",
+          "seconds_since_start", "blocked_s", "waited_s", "tokens_per_s_median", "output_uri", "topology.process_count",
           "eta_s", "goodput"}  # fmt: skip
 
 

@@ -136,6 +136,9 @@ def local_cmd(
             f"(runtime local CONFIG --resume --from-step {from_step})"
         )
     cfg, source = _load(config, (*sets, *_profile_sets(profile_steps)))
+    from runtime.host import platform
+
+    platform.start_backend()  # beside the imports below (one process: no cluster to form first)
     from jobspec.storage import join
     from runtime.train.loop import train
 

@@ -25,6 +25,7 @@ that plugin without a GPU, lets it back in (`unhide_cuda_plugin`) before jax sta
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import importlib.util
@@ -107,6 +108,24 @@ def choose(env: MutableMapping[str, str] | None = None) -> str:
     if not platforms & {"cuda", "gpu"}:
         hide_cuda_plugin()
     return env["JAX_PLATFORMS"]
+
+
+def start_backend() -> None:
+    """Start JAX's backend on a thread, so that the imports and file reads that come next run
+    beside it: the TPU runtime takes about 8 s to come up on a v5e host, and the client's start
+    runs in C++ without the GIL. Single-process runs only (`runtime local`): a job's hosts must
+    form their cluster (`jax.distributed.initialize`) before any backend starts. An error is left
+    for the main thread's own first call, which raises it where it is reported."""
+    import jax  # imported here, on the calling thread: the thread below only starts the client
+
+    def start() -> None:
+        with contextlib.suppress(Exception):
+            jax.devices()
+
+    thread = threading.Thread(target=start, name="jaxjob-backend-start", daemon=True)
+    thread.start()
+    # An exit (a refused config, a stop) must not finalise the interpreter under a client start.
+    atexit.register(thread.join)
 
 
 def hide_cuda_plugin() -> None:

@@ -25,6 +25,7 @@ import logging
 import math
 import re
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -190,6 +191,7 @@ class CheckpointService:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot open checkpoints under {self.directory}: {e}") from e
         self._pending: _Pending | None = None
+        self.waited_s = 0.0  # how long the latest `save` waited for the one before it
         self._async = async_save
         self._summer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-checksums")
         self._failed_step: int | None = None  # the step whose save failed, if one did
@@ -344,7 +346,10 @@ class CheckpointService:
         """
         if self.read_only:
             raise RuntimeError(f"checkpoint service on {self.directory} is read-only")
+        t0 = time.perf_counter()
         self._settle()
+        # The part of this call spent on the previous save (its write, checksums and retention).
+        self.waited_s = time.perf_counter() - t0
         if step in self._entries:
             if not force:
                 return False

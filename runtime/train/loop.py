@@ -25,7 +25,7 @@ from jobspec.storage import configure_gcs_env, join
 from runtime.data.eval_rows import check_evals
 from runtime.data.loader import TokenBatches, check_for_run, train_batches
 from runtime.data.mixture import load_data
-from runtime.host import boot, startup
+from runtime.host import boot, host_memory, startup
 from runtime.host.coordination import HostWatchdog, StopAgreement
 from runtime.host.stop_guard import StopGuard
 from runtime.model.build import build_model
@@ -78,6 +78,12 @@ class Run:
     profile: ProfileWindow
     say: StartupLog
     step: int = 0  # the last step completed in this attempt (what a failure is recorded at)
+    host_copy_bytes: int = 0  # a save's copy off the accelerator, faulted in before step 1
+    warned_save_wait: bool = False  # said once that saves come faster than they are written
+
+
+#: A save that waits this long for the previous one is said once (the loop stood still for it).
+_SAVE_WAIT_WARN_S = 1.0
 
 
 def _emit(line: str) -> None:
@@ -138,8 +144,16 @@ def _prepare(
         fingerprint=fp, batch_sharding=b_sh,
         global_shape=(t.gradient_accumulation_steps, t.global_batch_size, t.seq_len),
         ledger=ledger, profile=ProfileWindow(cfg.profile, store, init.step), say=say,
-        step=init.step,
+        step=init.step, host_copy_bytes=_host_copy_bytes(init.state),
     )  # fmt: skip
+
+
+def _host_copy_bytes(state: TrainState) -> int:
+    """On an accelerator, what a save copies to host memory, with that memory kept from one save
+    to the next (runtime/host/host_memory.py); 0 on CPU, where the arrays are in host memory."""
+    if jax.default_backend() == "cpu" or not host_memory.keep_freed_memory():
+        return 0
+    return host_memory.copy_bytes(jax.tree.leaves((state.params, state.opt_state)))
 
 
 def _mesh_text(mesh) -> str:
@@ -322,6 +336,9 @@ def _step(run: Run, it: Iterator, emit, t_start: float) -> tuple[Any, dict]:
             else f"compiling the train step, then step {step}"
         )
     ledger.switch(ledger.step_bucket(step, first_of_attempt=first))
+    if first:
+        # While XLA finishes the step's compile: the first save then finds its pages resident.
+        host_memory.fault_in(run.host_copy_bytes)
     run.state, outputs = run.step_fn(run.state, batch)
     run.step = step
     ledger.stepped(step)
@@ -463,10 +480,22 @@ def _save(run: Run) -> bool:
     are finite."""
     state, t0 = run.state, time.perf_counter()
     if run.ckpt.save(run.step, params=state.params, opt_state=state.opt_state, meta=_meta(run)):
-        # How long the loop stood still for it: an async save's copy off the chip (and any wait
-        # for the previous save), the rest being written in the background.
-        blocked = round(time.perf_counter() - t0, 3)
-        run.art.event(EventKind.CHECKPOINT, step=run.step, blocked_s=blocked)
+        # How long the loop stood still for it: an async save's copy off the chip, and any wait
+        # for the previous save (`waited_s`), the rest being written in the background.
+        blocked, waited = time.perf_counter() - t0, run.ckpt.waited_s
+        run.art.event(
+            EventKind.CHECKPOINT, step=run.step, blocked_s=round(blocked, 3),
+            waited_s=round(waited, 3),
+        )  # fmt: skip
+        if waited > _SAVE_WAIT_WARN_S and not run.warned_save_wait and run.store.is_writer:
+            run.warned_save_wait = True
+            print(
+                f"warning: checkpoint {run.step} waited {waited:.1f} s for the previous save "
+                f"to be written: saves every {run.cfg.checkpoint.every} steps come faster than "
+                "the storage takes them; raise checkpoint.every to keep the steps going",
+                file=sys.stderr,
+                flush=True,
+            )
         return True
     return False
 

@@ -272,7 +272,7 @@ class Decoder(DecoderBase):
         self.embed_tokens = Embed(cfg, rngs=rngs, eager_sharding=eager_sharding)
         parts = {"mlp_factory": mlp_factory, "attention_factory": attention_factory}
         if cfg.scan_layers:
-            # The unrolled model's draws, in its order, by one vmapped build of all the layers
+            # The unrolled model's draws, in its order, by one build looped over the layers
             # (`build_stacked`: the init program does not grow with depth); when eager, the
             # stack is sharded as a whole, so the layers themselves are not.
             self.layers = build_stacked(

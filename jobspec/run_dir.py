@@ -10,6 +10,7 @@ keys, and their order, are the file format: renaming one breaks the readers of o
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -30,6 +31,7 @@ CHECKPOINT_INDEX = f"{CHECKPOINTS}/index.json"  # committed checkpoints only
 TENSORBOARD, WANDB = "tensorboard", "wandb"  # the [metrics] sinks' files
 PROFILE = "profile"  # [profile] traces, profile_dir(i) per host
 DISK_RESERVE = ".disk-reserve"  # room for the failure record on a full disk
+LOGS = "logs"  # each host's output in each attempt, host_log(attempt, i)
 
 #: The layout recorded in manifest.json.
 LAYOUT = {
@@ -54,6 +56,23 @@ def host_dir(process_index: int) -> str:
 
 def profile_dir(process_index: int) -> str:
     return f"{PROFILE}/host-{process_index}"
+
+
+def host_log(attempt: int, process_index: int) -> str:
+    """A host's copy of its stdout/stderr in one attempt (runtime/host/hostlog.py)."""
+    return f"{LOGS}/attempt-{attempt}/host-{process_index}.log"
+
+
+# host_log's path, or its attempt's folder, at the end of a path under any root.
+_HOST_LOG = re.compile(rf"(?:^|/){LOGS}/attempt-([0-9]+)(?:/host-([0-9]+)\.log)?\Z")
+
+
+def parse_host_log(path: str) -> tuple[int, int | None] | None:
+    """(attempt, host) of a path host_log built, (attempt, None) of its attempt's folder, under
+    any root (`gs://b/run/logs/attempt-1/host-0.log` is (1, 0)); None for any other path."""
+    if (found := _HOST_LOG.search(path.rstrip("/"))) is None:
+        return None
+    return int(found[1]), None if found[2] is None else int(found[2])
 
 
 def now() -> str:

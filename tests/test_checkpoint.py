@@ -318,20 +318,14 @@ def test_the_service_owns_the_save_cadence(tmp_path) -> None:
     svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=5, async_save=False,
                             every=3, last_step=9)  # fmt: skip
     params, opt_state = make_state()
-    built: list[int] = []
-
-    def meta_for(step: int):
-        def build() -> CheckpointMeta:
-            built.append(step)
-            return meta(step)
-
-        return build
-
+    due: list[int] = []
     for step in range(1, 10):
-        svc.maybe_save(step, params=params, opt_state=opt_state, meta=meta_for(step))
+        if svc.due(step):  # as the train loop asks (runtime/train/cadence.py), then saves
+            due.append(step)
+            assert svc.save(step, params=params, opt_state=opt_state, meta=meta(step))
     # Every third step before the last; the last step's save is the caller's final one.
-    assert svc.steps() == [3, 6] and built == [3, 6]
-    assert svc.maybe_save(9, params=params, opt_state=opt_state, meta=meta_for(9), final=True)
+    assert svc.steps() == [3, 6] and due == [3, 6]
+    assert svc.save(9, params=params, opt_state=opt_state, meta=meta(9))
     assert svc.steps() == [3, 6, 9]
     svc.close()
 

@@ -213,6 +213,18 @@ def test_gs_jsonl_is_appended_in_bounded_parts(gs_run_uri: str, capsys) -> None:
     assert "cut it off the file" in capsys.readouterr().err
 
 
+def test_the_host_log_path_is_parsed_back_from_any_root() -> None:
+    """runtime/host/hostlog.py writes host_log's path, launch's saved_logs reads it back."""
+    from jobspec.run_dir import host_log, parse_host_log
+
+    assert host_log(2, 3) == "logs/attempt-2/host-3.log"
+    assert parse_host_log(f"gs://b/run/{host_log(2, 3)}") == (2, 3)
+    assert parse_host_log("/r/logs/attempt-12/") == (12, None)  # the attempt's folder
+    others = ["logs/attempt-x", "blogs/attempt-1", "logs/attempt-1/host-1.txt",
+              "logs/attempt-1/host-1.log.parts", "logs/attempt-1/host-1.log/000000.log"]  # fmt: skip
+    assert [parse_host_log(f"/r/{p}") for p in others] == [None] * len(others)
+
+
 @pytest.mark.gcs
 def test_gs_host_log_is_uploaded_in_parts_and_read_in_order(gcs_bucket, monkeypatch) -> None:
     import runtime.host.hostlog as hostlog

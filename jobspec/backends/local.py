@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from pydantic import Field
 
 from jobspec.backends.section import BackendSection
 from jobspec.catalogue import Accelerator
 from jobspec.errors import ConfigError
+from jobspec.section import PositiveInt
 
 # Every host is a process on this machine: past a few dozen they only contend for its cores and
 # memory (and 20,000 wrote a 16 MB hosts.json).
@@ -16,12 +15,8 @@ MAX_LOCAL_PROCESSES = 64
 
 
 class LocalSection(BackendSection):
-    processes: Annotated[int, Field(gt=0)] | None = Field(
-        None, description="Host processes (default: hosts)."
-    )
-    devices_per_process: Annotated[int, Field(gt=0)] = Field(
-        1, description="CPU devices per process."
-    )
+    processes: PositiveInt | None = Field(None, description="Host processes (default: hosts).")
+    devices_per_process: PositiveInt = Field(1, description="CPU devices per process.")
 
     def host_processes(self, hosts: int, acc: Accelerator) -> int:
         procs = self.processes or hosts

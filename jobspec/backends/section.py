@@ -5,16 +5,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict
-
 from jobspec.catalogue import Accelerator
 from jobspec.prepare_job import PrepareSection
+from jobspec.section import Section
 
 
-class BackendSection(BaseModel):
+class BackendSection(Section):
     """A backend's options in job.yaml, and how its hosts are laid out."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Whether the hosts see this machine's paths (here or through a shared filesystem): a
     # relative output_uri then means "here" and is resolved before submitting.

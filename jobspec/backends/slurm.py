@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from jobspec.backends.section import BackendSection
+from jobspec.section import PositiveInt, Section
 
 
-class ContainerSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class ContainerSection(Section):
     image: str = Field(description="Container image for srun --container-image (pyxis/enroot).")
     mounts: list[str] = Field([], description="srun --container-mounts entries, SRC:DST.")
 
@@ -22,15 +21,13 @@ class SlurmSection(BackendSection):
     qos: str | None = None
     time: str = Field("01:00:00", description="Time limit, as sbatch --time takes it.")
     constraint: str | None = None
-    cpus_per_task: Annotated[int, Field(gt=0)] | None = Field(
-        None, description="CPUs per host task."
-    )
+    cpus_per_task: PositiveInt | None = Field(None, description="CPUs per host task.")
     setup: list[str] = Field([], description="Shell lines run before srun (module load, venv…).")
     signal_grace_s: Annotated[int, Field(ge=10)] = Field(
         120, description="SIGTERM this long before the time limit, so the run checkpoints."
     )
     container: ContainerSection | None = None
-    hosts_per_node: Annotated[int, Field(gt=0)] = Field(
+    hosts_per_node: PositiveInt = Field(
         1,
         description="Host processes per node; above 1 only for CPU jobs (e.g. a one-node dev cluster).",
     )

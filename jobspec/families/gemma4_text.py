@@ -9,7 +9,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from jobspec.errors import ConfigError
-from jobspec.families.hf import cannot_load, copy_dtype, copy_plain
+from jobspec.families.hf import cannot_load, copy_dtype, copy_plain, shared_hf_config
 from jobspec.families.model_config import ModelConfig
 from jobspec.section import NonNegativeInt, PositiveFloat, PositiveInt, Section
 
@@ -247,49 +247,40 @@ class Gemma4TextModelConfig(ModelConfig):
         types = g.resolved_layer_types(n)
         full_heads: dict[str, Any] = {"head_dim": g.global_head_dim}
         full_heads["num_key_value_heads"] = g.num_global_kv_heads or model["num_kv_heads"]
-        return {
-            "architectures": ["Gemma4ForCausalLM"],
-            "model_type": "gemma4_text",
-            "vocab_size": model["vocab_size"],
-            "hidden_size": model["hidden_size"],
-            "intermediate_size": model["intermediate_size"],
-            "num_hidden_layers": n,
-            "num_attention_heads": model["num_heads"],
-            "num_key_value_heads": model["num_kv_heads"],
-            "head_dim": model.get("head_dim") or model["hidden_size"] // model["num_heads"],
-            "hidden_activation": "gelu_pytorch_tanh",
-            "max_position_embeddings": model["max_position_embeddings"],
-            "initializer_range": model.get("init_std", 0.02),
-            "rms_norm_eps": model["rms_norm_eps"],
-            "tie_word_embeddings": bool(model["tie_word_embeddings"]),
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "sliding_window": g.sliding_window,
-            "layer_types": types,
-            "rope_parameters": {
-                "sliding_attention": {"rope_type": "default", "rope_theta": g.sliding_rope_theta},
-                "full_attention": {
-                    "rope_type": "proportional",
-                    "partial_rotary_factor": g.global_partial_rotary_factor,
-                    "rope_theta": g.global_rope_theta,
+        return shared_hf_config(
+            model,
+            architecture="Gemma4ForCausalLM",
+            model_type="gemma4_text",
+            activation=("hidden_activation", "gelu_pytorch_tanh"),
+            own={
+                "sliding_window": g.sliding_window,
+                "layer_types": types,
+                "rope_parameters": {
+                    "sliding_attention": {
+                        "rope_type": "default",
+                        "rope_theta": g.sliding_rope_theta,
+                    },
+                    "full_attention": {
+                        "rope_type": "proportional",
+                        "partial_rotary_factor": g.global_partial_rotary_factor,
+                        "rope_theta": g.global_rope_theta,
+                    },
                 },
+                "per_layer_config": {
+                    str(i): dict(full_heads) for i, t in enumerate(types) if t == "full_attention"
+                },
+                "final_logit_softcapping": g.final_logit_softcapping,
+                "hidden_size_per_layer_input": g.hidden_size_per_layer_input,
+                "vocab_size_per_layer_input": g.vocab_size_per_layer_input or model["vocab_size"],
+                "attention_k_eq_v": g.attention_k_eq_v,
+                "num_kv_shared_layers": g.num_kv_shared_layers,
+                "enable_moe_block": g.enable_moe_block,
+                "use_double_wide_mlp": g.use_double_wide_mlp,
+                "num_experts": g.num_experts,
+                "top_k_experts": g.top_k_experts,
+                "moe_intermediate_size": g.moe_intermediate_size,
             },
-            "per_layer_config": {
-                str(i): dict(full_heads) for i, t in enumerate(types) if t == "full_attention"
-            },
-            "final_logit_softcapping": g.final_logit_softcapping,
-            "hidden_size_per_layer_input": g.hidden_size_per_layer_input,
-            "vocab_size_per_layer_input": g.vocab_size_per_layer_input or model["vocab_size"],
-            "attention_k_eq_v": g.attention_k_eq_v,
-            "num_kv_shared_layers": g.num_kv_shared_layers,
-            "enable_moe_block": g.enable_moe_block,
-            "use_double_wide_mlp": g.use_double_wide_mlp,
-            "num_experts": g.num_experts,
-            "top_k_experts": g.top_k_experts,
-            "moe_intermediate_size": g.moe_intermediate_size,
-            "use_cache": True,
-            "dtype": model.get("param_dtype", "float32"),
-        }
+        )
 
 
 # ---- HF config.json ---------------------------------------------------------------------------

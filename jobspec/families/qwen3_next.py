@@ -7,7 +7,16 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from jobspec.families.hf import HF_MOE_KEYS, cannot_load, copy_dtype, copy_plain
+from jobspec.families.hf import (
+    HF_MOE_KEYS,
+    cannot_load,
+    copy_dtype,
+    copy_plain,
+    qwen_problems,
+    rope_parameters,
+    rope_theta,
+    shared_hf_config,
+)
 from jobspec.families.model_config import EXPERT_KEYS, ModelConfig
 from jobspec.section import NonNegativeInt, PositiveInt, Section
 
@@ -152,15 +161,8 @@ class Qwen3NextModelConfig(ModelConfig):
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any], what: str) -> dict[str, Any]:
-        problems = []
-        if hf.get("attention_bias"):
-            problems.append("attention_bias = true")
-        if hf.get("hidden_act", "silu") != "silu":
-            problems.append(f"hidden_act = {hf.get('hidden_act')!r}")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in (None, "default"):
-            problems.append(f"rope_type {kind!r} (only default RoPE)")
+        problems = qwen_problems(hf, sliding_window=False)
+        theta = rope_theta(hf, problems, terse=True)
         if problems:
             cannot_load(what, problems)
         h = {**_HF_DEFAULTS, **_HF_MOE_DEFAULTS, **hf}
@@ -174,13 +176,14 @@ class Qwen3NextModelConfig(ModelConfig):
         q: dict[str, Any] = {k: h[k] for k in _HF_DEFAULTS}
         q["layer_types"] = list(types)
         q["mlp_only_layers"] = list(h.get("mlp_only_layers") or [])
+        rope = rope_parameters(hf)
         factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
         q["partial_rotary_factor"] = float(factor)
         out: dict[str, Any] = {"family": "qwen3_next", "qwen3_next": q, "scan_layers": False}
         copy_plain(hf, out)
         out.setdefault("tie_word_embeddings", False)  # Qwen3NextConfig's default
         out.setdefault("head_dim", 256)
-        out["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+        out["rope_theta"] = theta if theta is not None else 10_000.0  # Qwen3NextConfig's default
         if h["num_experts"]:  # 0: every layer dense, as in transformers
             out |= {k: h[k] for k in _HF_MOE_DEFAULTS}
         copy_dtype(hf, out)
@@ -191,44 +194,31 @@ class Qwen3NextModelConfig(ModelConfig):
         q = Qwen3NextConfig(**(model.get("qwen3_next") or {}))
         n = model["num_layers"]
         moe = model.get("num_experts") is not None
-        return {
-            "architectures": ["Qwen3NextForCausalLM"],
-            "model_type": "qwen3_next",
-            "vocab_size": model["vocab_size"],
-            "hidden_size": model["hidden_size"],
-            "intermediate_size": model["intermediate_size"],
-            "num_hidden_layers": n,
-            "num_attention_heads": model["num_heads"],
-            "num_key_value_heads": model["num_kv_heads"],
-            "head_dim": model.get("head_dim") or model["hidden_size"] // model["num_heads"],
-            "hidden_act": "silu",
-            "max_position_embeddings": model["max_position_embeddings"],
-            "initializer_range": model.get("init_std", 0.02),
-            "rms_norm_eps": model["rms_norm_eps"],
-            "tie_word_embeddings": bool(model["tie_word_embeddings"]),
-            "rope_parameters": {
+        return shared_hf_config(
+            model,
+            architecture="Qwen3NextForCausalLM",
+            model_type="qwen3_next",
+            rope={
                 "rope_type": "default",
                 "rope_theta": float(model["rope_theta"]),
                 "partial_rotary_factor": q.partial_rotary_factor,
             },
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "layer_types": q.resolved_layer_types(n),
-            "linear_conv_kernel_dim": q.linear_conv_kernel_dim,
-            "linear_key_head_dim": q.linear_key_head_dim,
-            "linear_value_head_dim": q.linear_value_head_dim,
-            "linear_num_key_heads": q.linear_num_key_heads,
-            "linear_num_value_heads": q.linear_num_value_heads,
-            "decoder_sparse_step": q.decoder_sparse_step,
-            "mlp_only_layers": list(q.mlp_only_layers),
-            "num_experts": model["num_experts"] if moe else 0,
-            "num_experts_per_tok": model["num_experts_per_tok"] if moe else 1,
-            "moe_intermediate_size": model["moe_intermediate_size"] if moe else 1,
-            "shared_expert_intermediate_size": q.shared_expert_intermediate_size,
-            "norm_topk_prob": bool(model.get("norm_topk_prob", True)),
-            "use_cache": True,
-            "dtype": model.get("param_dtype", "float32"),
-        }
+            own={
+                "layer_types": q.resolved_layer_types(n),
+                "linear_conv_kernel_dim": q.linear_conv_kernel_dim,
+                "linear_key_head_dim": q.linear_key_head_dim,
+                "linear_value_head_dim": q.linear_value_head_dim,
+                "linear_num_key_heads": q.linear_num_key_heads,
+                "linear_num_value_heads": q.linear_num_value_heads,
+                "decoder_sparse_step": q.decoder_sparse_step,
+                "mlp_only_layers": list(q.mlp_only_layers),
+                "num_experts": model["num_experts"] if moe else 0,
+                "num_experts_per_tok": model["num_experts_per_tok"] if moe else 1,
+                "moe_intermediate_size": model["moe_intermediate_size"] if moe else 1,
+                "shared_expert_intermediate_size": q.shared_expert_intermediate_size,
+                "norm_topk_prob": bool(model.get("norm_topk_prob", True)),
+            },
+        )
 
 
 #: HF Qwen3NextConfig's defaults for the keys our [model.qwen3_next] reads.

@@ -54,8 +54,8 @@ def verify_checkpoints(run: str) -> dict[str, Any]:
 def rollback(run: str, step: int) -> dict[str, Any]:
     """Discard the checkpoints after `step` so that the next resume (`runtime local --resume`,
     or a launched job's auto-resume) continues from it; `step` itself is read first."""
-    from jobspec.run_dir import EVENTS, now
     from runtime.run import owner
+    from runtime.run.artifacts import record_discarded_checkpoints
 
     store = open_run(run)  # a run directory, before anything (even a claim) is written there
     run_id = store.read_json(MANIFEST).get("run_id") or store.root_uri.rsplit("/", 1)[-1]
@@ -70,12 +70,7 @@ def rollback(run: str, step: int) -> dict[str, Any]:
             if not found["ok"]:
                 raise ckpt.unreadable(step, found["cause"])
             discarded = ckpt.discard_after(step)
-            if discarded:
-                store.append_jsonl(
-                    EVENTS,
-                    [{"time": now(), "event": "checkpoints_discarded", "steps": discarded,
-                      "resume_from": step}],
-                )  # fmt: skip
+            record_discarded_checkpoints(store, discarded, step)
         finally:
             ckpt.close()
     finally:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from jobspec.run_dir import host_log
 from jobspec.storage import PART_BYTES, is_remote, join, part_path, url_to_fs
 
 FLUSH_EVERY_S = 5.0
@@ -58,7 +59,7 @@ def fatal(message: str, code: int) -> None:
 
 
 def log_uri(run_root: str, attempt: int, process_index: int) -> str:
-    return join(run_root, f"logs/attempt-{attempt}/host-{process_index}.log")
+    return join(run_root, host_log(attempt, process_index))
 
 
 def _reason(e: OSError) -> str:

@@ -69,7 +69,8 @@ def normal_param(
 
 
 class Dense(nnx.Module):
-    """Bias-free projection with a [in, out] kernel."""
+    """Projection with a [in, out] kernel; `bias=True` adds a bias [out] (HF
+    `nn.Linear(bias=True)`, zero at init), sharded like the output axis."""
 
     def __init__(
         self,
@@ -80,14 +81,24 @@ class Dense(nnx.Module):
         *,
         rngs: nnx.Rngs,
         eager_sharding: bool,
+        bias: bool = False,
     ) -> None:
         self.kernel = normal_param(
             rngs, (d_in, d_out), names, cfg.init_std, dtype_of(cfg.param_dtype), eager_sharding
         )
         self.compute_dtype = dtype_of(cfg.compute_dtype)
+        if bias:
+            self.bias = nnx.Param(
+                jnp.zeros((d_out,), dtype_of(cfg.param_dtype)),
+                out_sharding=(names[1],),
+                eager_sharding=eager_sharding,
+            )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...d,df->...f", x, self.kernel[...].astype(self.compute_dtype))
+        y = jnp.einsum("...d,df->...f", x, self.kernel[...].astype(self.compute_dtype))
+        if hasattr(self, "bias"):
+            y = y + self.bias[...].astype(self.compute_dtype)
+        return y
 
 
 class Embed(nnx.Module):

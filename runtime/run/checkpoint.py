@@ -27,7 +27,6 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -158,7 +157,7 @@ class CheckpointService:
         warn_gone: bool = True,
     ) -> None:
         """`every`/`last_step` are the run's cadence (`checkpoint.every`, the final step):
-        `maybe_save` saves on every `every`-th step before the last, and on a final save.
+        `due` says which steps before the last are periodic saves (every `every`-th).
         `warn_gone=False` leaves saying that listed steps are gone to the caller (verify)."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
@@ -312,21 +311,6 @@ class CheckpointService:
         """Whether `step` is a periodic save (the final step's save is the caller's `final`)."""
         before_last = self.last_step is None or step < self.last_step
         return self.every > 0 and step % self.every == 0 and before_last
-
-    def maybe_save(
-        self,
-        step: int,
-        *,
-        params: Any,
-        opt_state: Any,
-        meta: Callable[[], CheckpointMeta],
-        metrics: dict[str, float] | None = None,
-        final: bool = False,
-    ) -> bool:
-        """Save `step` when it is due or `final`; `meta` is built only then. True if started."""
-        if not (final or self.due(step)):
-            return False
-        return self.save(step, params=params, opt_state=opt_state, meta=meta(), metrics=metrics)
 
     def save(
         self,

@@ -82,7 +82,7 @@ class Run:
     warned_save_wait: bool = False  # said once that saves come faster than they are written
 
 
-#: A save that waits this long for the previous one is said once (the loop stood still for it).
+#: A save that waits this long for the previous one is noted once (the loop stood still for it).
 _SAVE_WAIT_WARN_S = 1.0
 
 
@@ -489,11 +489,11 @@ def _save(run: Run) -> bool:
         )  # fmt: skip
         if waited > _SAVE_WAIT_WARN_S and not run.warned_save_wait and run.store.is_writer:
             run.warned_save_wait = True
+            # Advice on the cadence, not a fault: with the run's other lines, on stdout.
             print(
-                f"warning: checkpoint {run.step} waited {waited:.1f} s for the previous save "
+                f"note: checkpoint {run.step} waited {waited:.1f} s for the previous save "
                 f"to be written: saves every {run.cfg.checkpoint.every} steps come faster than "
                 "the storage takes them; raise checkpoint.every to keep the steps going",
-                file=sys.stderr,
                 flush=True,
             )
         return True

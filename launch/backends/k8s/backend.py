@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobspec.errors import ConfigError
 from jobspec.run_config import check_dns_label
-from jobspec.run_dir import SUMMARY
+from jobspec.run_dir import LOGS, SUMMARY, parse_host_log
 from launch.backend import Handle, RenderedFile, Submission, tail_lines
 from launch.backends.k8s.render import (
     COMPLETION_INDEX_KEY,
@@ -349,12 +349,12 @@ def saved_logs(
     from jobspec.storage import PARTS_SUFFIX, join, read_parted, url_to_fs
     from launch.backends.k8s.client import K8sError
 
-    root = join(output_uri, run_id, "logs")
+    root = join(output_uri, run_id, LOGS)
     fs, path = url_to_fs(root)
     attempts = sorted(
-        (int(n), p)
+        (found[0], p)
         for p in (fs.ls(path, detail=False) if fs.exists(path) else [])
-        if (n := p.rstrip("/").rsplit("/attempt-", 1)[-1]).isdigit()
+        if (found := parse_host_log(p)) and found[1] is None
     )
     if not attempts:
         raise K8sError(f"run {run_id} has no pods now and no saved logs under {root}")
@@ -362,10 +362,10 @@ def saved_logs(
     # On object stores a host log is parts, `host-<i>.log.parts/000000.log`, …: read in order.
     files = sorted(
         {
-            (int(n), f"{latest.rstrip('/')}/host-{n}.log")
+            (found[1], log)
             for p in fs.ls(latest, detail=False)
-            if (n := p.rstrip("/").rsplit("/host-", 1)[-1].removesuffix(PARTS_SUFFIX))
-            and (n := n.removesuffix(".log")).isdigit()
+            if (found := parse_host_log(log := p.rstrip("/").removesuffix(PARTS_SUFFIX)))
+            and found[1] is not None
         }
     )
     for h, p in files:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.exit_codes import EXIT_HOST_LOST, is_restartable
-from jobspec.run_dir import EVENTS
+from jobspec.run_dir import EVENTS, Event, EventKind
 from launch.backend import TERMINAL
 from launch.backends.local.procs import is_stopped, start_time
 from launch.state import read_json, utc_now, write_json_atomic
@@ -396,12 +396,11 @@ class Supervisor:
             store = ArtifactStore(
                 join(output_uri, self.state.run_id), retry=RetryPolicy(total_s=30, call_s=10)
             )
-            event = {
-                "time": utc_now(), "event": "failure", "error": lost.sentence, "type": "HostLost",
-                "exit_code": EXIT_HOST_LOST, "host": lost.host, "attempt": attempt,
-                "recorded_by": "the local supervisor",
-            }  # fmt: skip
-            store.append_jsonl(EVENTS, [event])
+            event = Event(EventKind.FAILURE, {
+                "error": lost.sentence, "type": "HostLost", "exit_code": EXIT_HOST_LOST,
+                "host": lost.host, "attempt": attempt, "recorded_by": "the local supervisor",
+            })  # fmt: skip
+            store.append_jsonl(EVENTS, [event.to_json()])
         except Exception as e:  # noqa: BLE001 - the run goes on; the log says what was missed
             self.say(f"warning: could not record the failure event in {output_uri}: {e}")
 

@@ -5,12 +5,16 @@ Qwen3's: runtime.model.qwen3.counts.mlp_activations)."""
 from __future__ import annotations
 
 from jobspec.families.model_config import ModelConfig
-from runtime.model.qwen3.counts import decoder_flops_per_token, decoder_param_count
+from runtime.model.qwen3.counts import (
+    attention_param_count,
+    decoder_flops_per_token,
+    decoder_param_count,
+)
 
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:
-    d, hd, h, kvh = cfg.hidden_size, cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
-    attention = 2 * d * h * hd + 2 * d * kvh * hd + (h + 2 * kvh) * hd
+    d = cfg.hidden_size
+    attention = attention_param_count(cfg, qk_norm=False, qkv_bias=True)
     return decoder_param_count(cfg, 3 * d * cfg.intermediate_size, attention=attention)
 
 

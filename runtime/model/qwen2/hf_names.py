@@ -4,20 +4,14 @@ q/k norms in the attention."""
 from __future__ import annotations
 
 from jobspec.families.model_config import ModelConfig
-from runtime.hf.names import Entry, in_layer
+from runtime.hf.names import Entry
+from runtime.model.qwen3.hf_names import attention_names as qwen3_attention_names
 from runtime.model.qwen3.hf_names import decoder_names
 
 
 def attention_names(cfg: ModelConfig, i: int) -> list[Entry]:
-    out = [
-        in_layer(cfg, i, ("self_attn", f"{n}_proj", "kernel"), f"self_attn.{n}_proj.weight", True)
-        for n in "qkvo"
-    ]
-    out += [
-        in_layer(cfg, i, ("self_attn", f"{n}_proj", "bias"), f"self_attn.{n}_proj.bias", False)
-        for n in "qkv"
-    ]
-    return out
+    """Qwen3's projections plus the q/k/v biases, without the q/k norms."""
+    return qwen3_attention_names(cfg, i, qk_norm=False, qkv_bias=True)
 
 
 def hf_names(cfg: ModelConfig) -> list[Entry]:

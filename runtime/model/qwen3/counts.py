@@ -6,10 +6,20 @@ from __future__ import annotations
 from jobspec.families.model_config import ModelConfig
 
 
-def attention_param_count(cfg: ModelConfig) -> int:
-    """q, k, v, o projections and the q/k norms of one layer."""
-    d, hd = cfg.hidden_size, cfg.resolved_head_dim
-    return d * cfg.num_heads * hd + 2 * d * cfg.num_kv_heads * hd + cfg.num_heads * hd * d + 2 * hd
+def attention_param_count(
+    cfg: ModelConfig, *, qk_norm: bool = True, qkv_bias: bool = False, query_gate: bool = False
+) -> int:
+    """q, k, v, o projections and the q/k norms (`qk_norm`) of one layer; `qkv_bias` adds the
+    q/k/v biases (qwen2), `query_gate` a per-head output gate in q_proj, twice its width
+    (qwen3_next)."""
+    d, hd, h, kvh = cfg.hidden_size, cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
+    q = d * h * hd * (2 if query_gate else 1)
+    out = q + 2 * d * kvh * hd + h * hd * d
+    if qk_norm:
+        out += 2 * hd
+    if qkv_bias:
+        out += (h + 2 * kvh) * hd
+    return out
 
 
 def decoder_param_count(

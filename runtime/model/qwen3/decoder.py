@@ -42,7 +42,7 @@ family names to builders. The logits, the expert-load forward and the remat'd la
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +93,14 @@ class KVCache(NamedTuple):
 
 
 class Attention(nnx.Module):
-    """GQA self-attention with per-head q/k RMSNorm before RoPE."""
+    """GQA self-attention with per-head q/k RMSNorm before RoPE.
+
+    A family whose attention differs only there sets the class attributes (qwen2: biased q/k/v
+    projections, no q/k norm): `qkv_bias` gives q/k/v_proj a bias (o_proj never has one),
+    `qk_norm` says whether q_norm/k_norm exist and apply."""
+
+    qkv_bias: ClassVar[bool] = False
+    qk_norm: ClassVar[bool] = True
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
         d, hd = cfg.hidden_size, cfg.resolved_head_dim
@@ -102,12 +109,14 @@ class Attention(nnx.Module):
         self.head_dim = hd
         self.compute_dtype = dtype_of(cfg.compute_dtype)
         kw = {"rngs": rngs, "eager_sharding": eager_sharding}
-        self.q_proj = Dense(d, cfg.num_heads * hd, ("embed", "heads"), cfg, **kw)
-        self.k_proj = Dense(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg, **kw)
-        self.v_proj = Dense(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg, **kw)
+        qkv_kw = {**kw, "bias": self.qkv_bias}
+        self.q_proj = Dense(d, cfg.num_heads * hd, ("embed", "heads"), cfg, **qkv_kw)
+        self.k_proj = Dense(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg, **qkv_kw)
+        self.v_proj = Dense(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg, **qkv_kw)
         self.o_proj = Dense(cfg.num_heads * hd, d, ("heads", "embed"), cfg, **kw)
-        self.q_norm = RMSNorm(hd, cfg, eager_sharding=eager_sharding)
-        self.k_norm = RMSNorm(hd, cfg, eager_sharding=eager_sharding)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg, eager_sharding=eager_sharding)
+            self.k_norm = RMSNorm(hd, cfg, eager_sharding=eager_sharding)
         self.impl = cfg.attention
 
     def heads(self, proj: nnx.Module, x: jax.Array, n: int, names: tuple, name: str) -> jax.Array:
@@ -116,10 +125,12 @@ class Attention(nnx.Module):
         return checkpoint_name(constrain(proj(x).reshape(b, t, n, self.head_dim), names), name)
 
     def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries, keys and values [B, T, heads, hd] before RoPE (q and k normed)."""
-        q = self.q_norm(self.heads(self.q_proj, x, self.num_heads, ACT_HEADS, "q_proj"))
-        k = self.k_norm(self.heads(self.k_proj, x, self.num_kv_heads, ACT_KV_HEADS, "k_proj"))
+        """Queries, keys and values [B, T, heads, hd] before RoPE (q and k normed if qk_norm)."""
+        q = self.heads(self.q_proj, x, self.num_heads, ACT_HEADS, "q_proj")
+        k = self.heads(self.k_proj, x, self.num_kv_heads, ACT_KV_HEADS, "k_proj")
         v = self.heads(self.v_proj, x, self.num_kv_heads, ACT_KV_HEADS, "v_proj")
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def __call__(

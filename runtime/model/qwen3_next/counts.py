@@ -4,6 +4,7 @@ convention)."""
 from __future__ import annotations
 
 from jobspec.families.model_config import ModelConfig
+from runtime.model.qwen3.counts import attention_param_count
 from runtime.model.qwen3_next.decoder import layer_kinds, settings
 
 
@@ -15,11 +16,6 @@ def _deltanet_params(cfg: ModelConfig) -> int:
     ba = d * 2 * hv
     conv = q.linear_conv_kernel_dim * (2 * hk * dk + hv * dv)
     return qkvz + ba + conv + 2 * hv + dv + hv * dv * d  # + A_log, dt_bias, norm, out_proj
-
-
-def _attention_params(cfg: ModelConfig) -> int:
-    d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-    return d * h * hd * 2 + 2 * d * kvh * hd + h * hd * d + 2 * hd
 
 
 def _mlp_params(cfg: ModelConfig, moe: bool) -> tuple[int, int]:
@@ -39,8 +35,9 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     The router bias is not a parameter and is not counted."""
     d, v = cfg.hidden_size, cfg.vocab_size
     blocks = active = 0
+    attention = attention_param_count(cfg, query_gate=True)  # q_proj carries [q | gate]
     for kind in layer_kinds(cfg):
-        mixer = _deltanet_params(cfg) if kind.linear else _attention_params(cfg)
+        mixer = _deltanet_params(cfg) if kind.linear else attention
         mlp, mlp_active = _mlp_params(cfg, kind.moe)
         blocks += mixer + mlp + 2 * d
         active += mixer + mlp_active + 2 * d

@@ -17,55 +17,43 @@ from functools import partial
 
 from jobspec.families.model_config import ModelConfig
 from runtime.hf.names import Entry, ends, in_layer
+from runtime.model.qwen3.hf_names import attention_names, layer_norm_names, mlp_names
+from runtime.model.qwen3_moe.hf_names import moe_names
 from runtime.model.qwen3_next.decoder import layer_kinds
 
 HF_IGNORED_PREFIXES: tuple[str, ...] = ("mtp.",)
 
 
+def deltanet_names(cfg: ModelConfig, i: int) -> list[Entry]:
+    """A Gated DeltaNet mixer's projections, conv, decay parameters and gated norm."""
+    at = partial(in_layer, cfg, i)
+    la = "linear_attn"
+    out = [
+        at((la, n, "kernel"), f"{la}.{n}.weight", True)
+        for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")
+    ]
+    out.append(at((la, "conv1d", "kernel"), f"{la}.conv1d.weight", True, hf_unit_axis=1))
+    out += [at((la, n), f"{la}.{n}", False) for n in ("A_log", "dt_bias")]
+    out.append(at((la, "norm", "scale"), f"{la}.norm.weight", False))
+    return out
+
+
+def shared_moe_names(cfg: ModelConfig, i: int) -> list[Entry]:
+    """qwen3_moe's router and routed experts, then the shared expert and its gate."""
+    at = partial(in_layer, cfg, i)
+    out = moe_names(cfg, i)
+    out += [
+        at(("mlp", "shared_expert", f"{n}_proj", "kernel"), f"mlp.shared_expert.{n}_proj.weight", True)
+        for n in ("gate", "up", "down")
+    ]  # fmt: skip
+    out.append(at(("mlp", "shared_expert_gate", "kernel"), "mlp.shared_expert_gate.weight", True))
+    return out
+
+
 def hf_names(cfg: ModelConfig) -> list[Entry]:
     out = ends(cfg)
     for i, kind in enumerate(layer_kinds(cfg)):
-        at = partial(in_layer, cfg, i)
-        if kind.linear:
-            la = "linear_attn"
-            out += [
-                at((la, n, "kernel"), f"{la}.{n}.weight", True)
-                for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")
-            ]
-            out.append(at((la, "conv1d", "kernel"), f"{la}.conv1d.weight", True, hf_unit_axis=1))
-            out += [at((la, n), f"{la}.{n}", False) for n in ("A_log", "dt_bias")]
-            out.append(at((la, "norm", "scale"), f"{la}.norm.weight", False))
-        else:
-            out += [
-                at(("self_attn", f"{n}_proj", "kernel"), f"self_attn.{n}_proj.weight", True)
-                for n in "qkvo"
-            ]
-            out += [
-                at(("self_attn", f"{n}_norm", "scale"), f"self_attn.{n}_norm.weight", False)
-                for n in "qk"
-            ]
-        out += [
-            at((n, "scale"), f"{n}.weight", False)
-            for n in ("input_layernorm", "post_attention_layernorm")
-        ]
-        if not kind.moe:
-            out += [
-                at(("mlp", f"{n}_proj", "kernel"), f"mlp.{n}_proj.weight", True)
-                for n in ("gate", "up", "down")
-            ]
-            continue
-        assert cfg.num_experts is not None
-        out.append(at(("mlp", "gate", "kernel"), "mlp.gate.weight", True))
-        for e in range(cfg.num_experts):
-            out += [
-                at(("mlp", "experts", f"{n}_proj"), f"mlp.experts.{e}.{n}_proj.weight", True, e)
-                for n in ("gate", "up", "down")
-            ]
-        out += [
-            at(("mlp", "shared_expert", f"{n}_proj", "kernel"), f"mlp.shared_expert.{n}_proj.weight", True)
-            for n in ("gate", "up", "down")
-        ]  # fmt: skip
-        out.append(
-            at(("mlp", "shared_expert_gate", "kernel"), "mlp.shared_expert_gate.weight", True)
-        )
+        out += deltanet_names(cfg, i) if kind.linear else attention_names(cfg, i)
+        out += layer_norm_names(cfg, i)
+        out += shared_moe_names(cfg, i) if kind.moe else mlp_names(cfg, i)
     return out

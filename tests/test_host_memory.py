@@ -76,3 +76,13 @@ def test_copy_bytes_counts_one_replica_of_each_addressable_shard() -> None:
     )
     replicated = jax.device_put(jnp.zeros((16,), jnp.float32), NamedSharding(mesh, PartitionSpec()))
     assert copy_bytes([sharded, replicated]) == 8 * n * 4 * 4 + 16 * 4
+
+
+def test_a_copy_over_a_quarter_of_the_machine_is_not_kept() -> None:
+    import os
+
+    from runtime.host.host_memory import worth_keeping
+
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert worth_keeping(total // 4) and worth_keeping(1)
+    assert not worth_keeping(total // 4 + 1) and not worth_keeping(0)

@@ -11,12 +11,14 @@ Qwen3-0.6B's 6.66 GiB state (bench/tpu/ckpt_block.py), a save held the loop 3.3 
 allocations, no trimming of the heap), and `fault_in` grows the heap by a save's size once,
 before the first save, on the thread that later copies (glibc gives other threads' large
 allocations their own mappings). The cost is host memory: the process keeps the size of one
-state copy after its first save, as it needs it again at the next.
+state copy after its first save, as it needs it again at the next; a copy over a quarter of the
+machine's memory is not kept (`worth_keeping`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 from collections.abc import Iterable
 
@@ -45,6 +47,16 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return _kept
+
+
+def worth_keeping(nbytes: int) -> bool:
+    """Whether to keep a copy of `nbytes` for the whole run: at most a quarter of this machine's
+    memory, so other processes on the host (data workers, a second job) keep theirs."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return False
+    return 0 < nbytes <= total // 4
 
 
 def fault_in(nbytes: int) -> int:

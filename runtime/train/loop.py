@@ -151,9 +151,12 @@ def _prepare(
 def _host_copy_bytes(state: TrainState) -> int:
     """On an accelerator, what a save copies to host memory, with that memory kept from one save
     to the next (runtime/host/host_memory.py); 0 on CPU, where the arrays are in host memory."""
-    if jax.default_backend() == "cpu" or not host_memory.keep_freed_memory():
+    if jax.default_backend() == "cpu":
         return 0
-    return host_memory.copy_bytes(jax.tree.leaves((state.params, state.opt_state)))
+    nbytes = host_memory.copy_bytes(jax.tree.leaves((state.params, state.opt_state)))
+    if not host_memory.worth_keeping(nbytes) or not host_memory.keep_freed_memory():
+        return 0
+    return nbytes
 
 
 def _mesh_text(mesh) -> str:

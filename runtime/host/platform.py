@@ -114,9 +114,9 @@ def start_backend() -> None:
     """Start JAX's backend on a thread, so that the imports and file reads that come next run
     beside it: the TPU runtime took 8-13 s to come up on the v5e host, and its start leaves the
     GIL free about half the time (a main-thread Python loop kept 48% of its speed during it).
-    Single-process runs only (`runtime local`): a job's hosts must
-    form their cluster (`jax.distributed.initialize`) before any backend starts. An error is left
-    for the main thread's own first call, which raises it where it is reported."""
+    Single-process runs only (`runtime local`): a job's hosts must form their cluster
+    (`jax.distributed.initialize`) before any backend starts. An error is left for the main
+    thread's own first call, which raises it where it is reported."""
     import jax  # imported here, on the calling thread: the thread below only starts the client
 
     def start() -> None:

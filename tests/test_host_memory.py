@@ -8,6 +8,7 @@ so the allocator settings never reach the test process itself.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -61,26 +62,34 @@ def test_a_copy_after_fault_in_finds_its_pages_resident() -> None:
     assert kept["faults"] < 10, kept
 
 
+COPY_BYTES = """
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from runtime.host.host_memory import copy_bytes
+
+mesh = Mesh(jax.devices(), ("x",))
+assert len(jax.devices()) == 4
+sharded = jax.device_put(jnp.zeros((32, 4), jnp.float32), NamedSharding(mesh, PartitionSpec("x")))
+replicated = jax.device_put(jnp.zeros((16,), jnp.float32), NamedSharding(mesh, PartitionSpec()))
+print(copy_bytes([sharded, replicated]))
+"""
+
+
 def test_copy_bytes_counts_one_replica_of_each_addressable_shard() -> None:
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from runtime.host.host_memory import copy_bytes
-
-    devices = jax.devices()
-    mesh = Mesh(devices, ("x",))
-    n = len(devices)
-    sharded = jax.device_put(
-        jnp.zeros((8 * n, 4), jnp.float32), NamedSharding(mesh, PartitionSpec("x"))
-    )
-    replicated = jax.device_put(jnp.zeros((16,), jnp.float32), NamedSharding(mesh, PartitionSpec()))
-    assert copy_bytes([sharded, replicated]) == 8 * n * 4 * 4 + 16 * 4
+    """On 4 devices: the sharded array once in all, the replicated one once, not 4 times."""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", COPY_BYTES], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    assert int(out.stdout) == 32 * 4 * 4 + 16 * 4
 
 
 def test_a_copy_over_a_quarter_of_the_machine_is_not_kept() -> None:
-    import os
-
     from runtime.host.host_memory import worth_keeping
 
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -39,24 +39,16 @@ import numpy as np  # noqa: E402
 
 from jobspec.load import load_run_config  # noqa: E402
 from jobspec.run_store import ArtifactStore  # noqa: E402
-from runtime.model.build import build_model  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 from runtime.run.checkpoint import CheckpointService  # noqa: E402
 from runtime.run.meta import CheckpointMeta  # noqa: E402
-from runtime.train.optim import build_optimizer  # noqa: E402
-from runtime.train.state import abstract_opt_state, state_shardings  # noqa: E402
+from runtime.train.program import abstract_program  # noqa: E402
 
 
 def state_maker(cfg):
     """A function that makes a new train state of zeros, placed as the run places it."""
-    mesh = build_mesh(cfg.mesh)
-    parts = build_model(cfg.model, 0, mesh, materialise=False)
-    tx, _ = build_optimizer(cfg.optimizer, cfg.training.total_steps)
-    shardings = state_shardings(parts, tx, mesh)
-    abstract = {
-        "params": parts.params,
-        "opt_state": abstract_opt_state(tx, parts.params, shardings),
-    }
+    state = abstract_program(cfg, build_mesh(cfg.mesh)).state  # what `runtime local` saves
+    abstract = {"params": state.params, "opt_state": state.opt_state}
     flat, tree = jax.tree.flatten(abstract)
     make = jax.jit(
         lambda: [jnp.zeros(a.shape, a.dtype) for a in flat],

@@ -34,6 +34,7 @@ import sys
 import threading
 import types
 from collections.abc import Iterator, MutableMapping
+from concurrent.futures import wait
 
 _chosen_here = False
 _CUDA_MODULES = ("jax_cuda12_plugin", "jax_cuda13_plugin")
@@ -119,14 +120,12 @@ def start_backend() -> None:
     thread's own first call, which raises it where it is reported."""
     import jax  # imported here, on the calling thread: the thread below only starts the client
 
-    def start() -> None:
-        with contextlib.suppress(Exception):
-            jax.devices()
+    from jobspec.storage import in_background
 
-    thread = threading.Thread(target=start, name="jaxjob-backend-start", daemon=True)
-    thread.start()
-    # An exit (a refused config, a stop) must not finalise the interpreter under a client start.
-    atexit.register(thread.join)
+    started = in_background(jax.devices, "jaxjob-backend-start")  # its error stays in the future
+    # An exit (a refused config, a stop) must not finalise the interpreter under a client start;
+    # registered after JAX's own exit handlers, so it runs before them.
+    atexit.register(wait, [started])
 
 
 def hide_cuda_plugin() -> None:

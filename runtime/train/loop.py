@@ -384,6 +384,8 @@ def _pause(run: Run, due: Due, watchdog: HostWatchdog, emit) -> None:
         watchdog.progress(step, "checkpoint")
     with run.ledger.timing(buckets.CHECKPOINT):
         saved = due.save and _save(run)
+    if saved:
+        _note_slow_saves(run, emit)
     if due.eval:
         watchdog.progress(step, "eval")  # may be long: its own compile, many batches
     with run.ledger.timing(buckets.EVAL):
@@ -485,22 +487,26 @@ def _save(run: Run) -> bool:
     if run.ckpt.save(run.step, params=state.params, opt_state=state.opt_state, meta=_meta(run)):
         # How long the loop stood still for it: an async save's copy off the chip, and any wait
         # for the previous save (`waited_s`), the rest being written in the background.
-        blocked, waited = time.perf_counter() - t0, run.ckpt.waited_s
+        blocked = time.perf_counter() - t0
         run.art.event(
             EventKind.CHECKPOINT, step=run.step, blocked_s=round(blocked, 3),
-            waited_s=round(waited, 3),
+            waited_s=round(run.ckpt.waited_s, 3),
         )  # fmt: skip
-        if waited > _SAVE_WAIT_WARN_S and not run.warned_save_wait and run.store.is_writer:
-            run.warned_save_wait = True
-            # Advice on the cadence, not a fault: with the run's other lines, on stdout.
-            print(
-                f"note: checkpoint {run.step} waited {waited:.1f} s for the previous save "
-                f"to be written: saves every {run.cfg.checkpoint.every} steps come faster than "
-                "the storage takes them; raise checkpoint.every to keep the steps going",
-                flush=True,
-            )
         return True
     return False
+
+
+def _note_slow_saves(run: Run, emit) -> None:
+    """Once a run: a periodic save that waited for the one before (advice on the cadence, not a
+    fault, so with the run's other lines on stdout)."""
+    waited = run.ckpt.waited_s
+    if waited > _SAVE_WAIT_WARN_S and not run.warned_save_wait and run.store.is_writer:
+        run.warned_save_wait = True
+        emit(
+            f"note: checkpoint {run.step} waited {waited:.1f} s for the previous save to be "
+            f"written: saves every {run.cfg.checkpoint.every} steps come faster than the storage "
+            "takes them; raise checkpoint.every to keep the steps going"
+        )
 
 
 def _meta(run: Run) -> CheckpointMeta:

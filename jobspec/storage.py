@@ -13,12 +13,13 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
 
+from jobspec.background import in_background
 from jobspec.errors import StorageError, StorageFaultError
 
 
@@ -359,28 +360,12 @@ def _stop_end(since: float, stop_at: float) -> float:
     return max(since, stop_at) + STOP_GRACE_S
 
 
-def in_background(fn: Callable[[], T], name: str = "jaxjob-storage-call") -> Future:
-    """`fn()` on a daemon thread, and its Future: for a call that cannot be cancelled from
-    outside (a storage read blocked in a socket, an XLA compile) and must not hold the process at
-    its exit the way an executor's threads, which are joined then, would."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # handed to whoever waits on the future
-            future.set_exception(e)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
-
-
 def _attempt(fn: Callable[[], T], limit_s: float, *, since: float | None = None) -> T:
     """`fn()` in a daemon thread, waited for at most `limit_s` (after a stop, at most until
     STOP_GRACE_S after the stop or `since`, when the call began); NoAnswer if it has not
     returned by then. The caller's thread only waits, so signal handlers run."""
     began = time.monotonic()
-    future = in_background(fn)
+    future = in_background(fn, "jaxjob-storage-call")
     while not wait([future], timeout=_POLL_S).done:
         now, state = time.monotonic(), _state
         end = began + limit_s

@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import quote
 
+from jobspec.background import in_background
 from jobspec.errors import JaxjobError, RunOwnedError, StorageError
 from jobspec.exit_codes import EXIT_BAD_INPUT
 from jobspec.run_dir import OWNER, OWNER_LOCK
@@ -59,7 +60,6 @@ from jobspec.storage import (
     DEFAULT_RETRY,
     NoAnswer,
     RetryPolicy,
-    in_background,
     is_remote,
     join,
     url_to_fs,

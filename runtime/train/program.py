@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from jobspec.background import in_background
 from jobspec.run_config import RunConfig
-from jobspec.storage import in_background
 from runtime.model.build import ModelParts, build_model
 from runtime.model.sharding import batch_sharding, on_mesh, replicated
 from runtime.train.optim import build_optimizer

@@ -146,22 +146,22 @@ def top_ops(fn, state, batch, k: int, steps: int = 3) -> tuple[Any, list[dict[st
     """The k XLA ops with the most device time over `steps` traced steps."""
     from jax._src.lib import _profile_data
 
-    folder = tempfile.mkdtemp(prefix="accel-step-trace-")
-    jax.profiler.start_trace(folder)
-    for _ in range(steps):
-        state, out = fn(state, batch)
-    jax.block_until_ready((state, out))
-    jax.profiler.stop_trace()
     totals: dict[str, float] = defaultdict(float)
-    for path in glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True):
-        data = _profile_data.ProfileData.from_file(path)
-        for plane in data.planes:
-            if not plane.name.startswith("/device:"):
-                continue
-            for line in plane.lines:
-                if line.name == "XLA Ops":
-                    for e in line.events:
-                        totals[e.name] += e.duration_ns
+    with tempfile.TemporaryDirectory(prefix="accel-step-trace-") as folder:
+        jax.profiler.start_trace(folder)
+        for _ in range(steps):
+            state, out = fn(state, batch)
+        jax.block_until_ready((state, out))
+        jax.profiler.stop_trace()
+        for path in glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True):
+            data = _profile_data.ProfileData.from_file(path)
+            for plane in data.planes:
+                if not plane.name.startswith("/device:"):
+                    continue
+                for line in plane.lines:
+                    if line.name == "XLA Ops":
+                        for e in line.events:
+                            totals[e.name] += e.duration_ns
     busy = sum(totals.values()) or 1.0
     rows = sorted(totals.items(), key=lambda kv: -kv[1])[:k]
     return state, [

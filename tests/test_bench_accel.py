@@ -10,8 +10,8 @@ import sys
 from runs import ROOT
 
 
-def test_accel_step_rows_on_cpu():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def test_accel_step_rows_on_cpu(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": str(tmp_path)}
     res = subprocess.run(
         [sys.executable, "bench/accel_step.py", "--model", "tiny", "--shapes", "64x4,32x2",
          "--steps", "2", "--set", "training.loss_chunk_size=16", "--profile-top", "3"],
@@ -33,3 +33,4 @@ def test_accel_step_rows_on_cpu():
         assert r["flops_per_token_causal"] < r["flops_per_token"]
         assert r["mfu"] is None and r["mfu_causal"] is None
         assert isinstance(r["top_ops"], list)
+    assert list(tmp_path.iterdir()) == [], "the profile's trace folders are removed"

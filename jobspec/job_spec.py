@@ -8,7 +8,6 @@ Only this module and jobspec/load_job.py parse YAML. The run config it names is 
 from __future__ import annotations
 
 import re
-from typing import Annotated
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -22,6 +21,7 @@ from jobspec.errors import ConfigError
 from jobspec.prepare_job import PrepareSection
 from jobspec.run_config import RunConfig, check_dns_label
 from jobspec.secrets import find_secrets, refusal, secret_env_name
+from jobspec.section import NonNegativeInt, PositiveInt
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` passes "NAME\n"
 RESERVED_ENV = ("JAXJOB_", "JAX_COORDINATOR", "JAX_PLATFORMS")
@@ -49,15 +49,15 @@ class JobSpec(Spec):
         None, description="Instead of run: prepare a dataset, every host a share of its parts."
     )
     accelerator: str = Field("cpu", description="Catalogue name, e.g. cpu, tpu-v5e-16, h100-80gb.")
-    hosts: Annotated[int, Field(gt=0)] | None = Field(
+    hosts: PositiveInt | None = Field(
         None, description="Hosts per slice (TPU: fixed by the slice; GPU: nodes; cpu: processes)."
     )
-    slices: Annotated[int, Field(gt=0)] = Field(1, description="TPU slices (multi-slice over DCN).")
+    slices: PositiveInt = Field(1, description="TPU slices (multi-slice over DCN).")
     output_uri: str | None = Field(None, description="Overrides run.output_uri (path or gs://).")
     env: dict[str, str | SecretRef] = Field(
         {}, description="Extra environment; secrets by reference."
     )
-    max_restarts: Annotated[int, Field(ge=0)] = Field(3, description="Restarts of the whole job.")
+    max_restarts: NonNegativeInt = Field(3, description="Restarts of the whole job.")
     # One section per backend, named as `launch --backend` names it (jobspec/backends/).
     k8s: K8sSection = K8sSection()
     slurm: SlurmSection = SlurmSection()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from jobspec.errors import ConfigError
 from jobspec.families.hf import cannot_load, copy_dtype, copy_plain, shared_hf_config
@@ -115,16 +115,8 @@ class Gemma4TextModelConfig(ModelConfig):
 
     hf_aliases: ClassVar[tuple[str, ...]] = ("gemma4",)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults(cls, data: Any) -> Any:
-        # The layers differ from each other (head dim, K/V ownership, MLP width), so they are
-        # never scanned by default; the table may be left out.
-        if isinstance(data, dict):
-            data = {"scan_layers": False, **data}
-            if data.get("gemma4") is None:
-                data["gemma4"] = {}
-        return data
+    # The layers differ from each other (head dim, K/V ownership, MLP width), so they cannot stack.
+    scanned_by_default: ClassVar[bool] = False
 
     @property
     def routed_experts(self) -> int | None:

@@ -169,6 +169,9 @@ class ModelConfig(Section):
     #: Further [model] keys an HF config fills (beyond jobspec.hf_config.HF_KEYS and the
     #: family's own tables), so a table holding them needs no lookup.
     hf_keys: ClassVar[tuple[str, ...]] = ()
+    #: Whether the layers run under jax.lax.scan unless the table says: false for a family whose
+    #: layers differ from each other (they cannot stack).
+    scanned_by_default: ClassVar[bool] = True
 
     # ---- the family's own part (overridden in jobspec/families/<family>.py) -------------------
 
@@ -215,15 +218,23 @@ class ModelConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _others_tables(cls, data: Any) -> Any:
-        """Another family's own key is accepted as null (every dump holds it) and refused set."""
+        """Another family's own key is accepted as null (every dump holds it) and refused set;
+        this family's own table may be null or left out (its defaults), and scan_layers defaults
+        to the family's `scanned_by_default`."""
         if not isinstance(data, dict):
             return data
         out = dict(data)
         for key, family in own_keys().items():
-            if key in data and key not in cls.model_fields:
+            if key not in data:
+                continue
+            if key not in cls.model_fields:
                 if data[key] is not None:
                     raise ValueError(f"model.{key} needs model.family = {family!r}")
                 del out[key]
+            elif data[key] is None:
+                del out[key]  # the field's default table
+        if not cls.scanned_by_default:
+            out.setdefault("scan_layers", False)
         return out
 
     @model_serializer(mode="wrap")

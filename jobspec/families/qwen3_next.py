@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from jobspec.families.hf import (
     HF_MOE_KEYS,
@@ -97,16 +97,8 @@ class Qwen3NextModelConfig(ModelConfig):
     # Present (null for a dense model) in a resolved table.
     hf_keys: ClassVar[tuple[str, ...]] = HF_MOE_KEYS
 
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults(cls, data: Any) -> Any:
-        # The layers differ in token mixer and MLP, so they are never scanned by default; the
-        # table may be left out.
-        if isinstance(data, dict):
-            data = {"scan_layers": False, **data}
-            if data.get("qwen3_next") is None:
-                data["qwen3_next"] = {}
-        return data
+    # The layers differ in token mixer and MLP, so they cannot stack.
+    scanned_by_default: ClassVar[bool] = False
 
     def family_problem(self) -> str | None:
         q, n = self.qwen3_next, self.num_layers

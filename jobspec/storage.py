@@ -104,7 +104,8 @@ _RETRY_HTTP = {408, 429, 500, 502, 503, 504}
 # What tensorstore/Orbax put in the text of the errors they re-raise (the type is lost there).
 _FAULT_TEXT = re.compile(
     r"No space left on device|Disk quota exceeded|Input/output error|\bUNAVAILABLE\b|"
-    r"DEADLINE_EXCEEDED|Service Unavailable|HTTP (?:status|response) code:? (?:5\d\d|429|408)",
+    r"DEADLINE_EXCEEDED|Service Unavailable|HTTP (?:status|response) code:? (?:5\d\d|429|408)|"
+    r"http_response_code='(?:5\d\d|429|408)'",  # tensorstore's since 0.1.7x
 )
 
 
@@ -178,6 +179,11 @@ def _fault_from_text(text: str, found: str) -> Fault:
         paths = _QUOTED_PATH.findall(text)
         where = f" writing {paths[-1]}" if paths else ""
         return Fault(f"{found} ({_DISK_TEXT[found]}){where}", True)
+    if found.startswith("http_response_code="):
+        # `ABORTED: Error writing gs://b/x: All 2 retry attempts failed: <message>
+        # [http_response_code='503'] [http_response_body='...']`: the code and the sentence.
+        sentence = text.split(" [", 1)[0]
+        return Fault(_one_line(f"HTTP {found[-4:-1]}: {sentence}"), False)
     return Fault(_one_line(text), False)
 
 

@@ -17,11 +17,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jobspec.errors import CheckpointError
 from jobspec.run_dir import CHECKPOINT_INDEX as INDEX
 from jobspec.run_store import ArtifactStore
+from jobspec.storage import DEFAULT_RETRY, RetryPolicy
 from runtime.run.checkpoint import (
     CheckpointService,
     UnreadableCheckpointError,
+    bound_tensorstore_retries,
     load_index,
     short_cause,
+    tensorstore_retries,
 )
 from runtime.run.meta import CheckpointMeta
 
@@ -554,3 +557,35 @@ def test_a_periodic_save_that_waited_is_noted_once() -> None:
         "steps come faster than the storage takes them; raise checkpoint.every to keep the "
         "steps going"
     ]
+
+
+def test_tensorstore_retries_add_up_to_the_runs_storage_budget() -> None:
+    """Its tries' waits (initial doubling up to max) cover total_s, and one try fewer does not."""
+    for total in (0.1, 1, 2, 31.5, 120, 900):
+        policy = RetryPolicy(total_s=total)
+        r = tensorstore_retries(policy)
+        waits = [min(policy.initial_s * 2**k, policy.max_s) for k in range(r["max_retries"])]
+        assert sum(waits) >= total > sum(waits[:-1]), (total, r)
+        assert r["initial_delay"] == f"{policy.initial_s}s" and r["max_delay"] == f"{policy.max_s}s"
+    assert tensorstore_retries(DEFAULT_RETRY)["max_retries"] == 11  # 120 s: 0.5 .. 16, then 20s
+    # tensorstore takes the resource as given (an unknown key or bad duration would raise).
+    import tensorstore as ts
+
+    ts.Context({"gcs_request_retries": tensorstore_retries(DEFAULT_RETRY)})
+
+
+def test_the_contexts_orbax_builds_carry_the_bounded_retries(monkeypatch) -> None:
+    """Orbax copies its module-level defaults into every save's and restore's context; if a new
+    Orbax stops doing so, this fails rather than leaving tensorstore's 15-minute retries."""
+    import tensorstore as ts
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    for name in ("_BASE_TS_CONTEXT", "_DEFAULT_OCDBT_TS_CONTEXT"):
+        monkeypatch.setattr(ts_utils, name, dict(getattr(ts_utils, name)))
+    bound_tensorstore_retries(RetryPolicy(total_s=3))
+    want = ts.Context({"gcs_request_retries": tensorstore_retries(RetryPolicy(total_s=3))})
+    want = want.spec.to_json()["gcs_request_retries"]  # as tensorstore writes it: 500ms
+    assert want["max_retries"] == 3
+    for ocdbt in (True, False):
+        spec = ts_utils.get_ts_context(use_ocdbt=ocdbt).spec.to_json()
+        assert spec["gcs_request_retries"] == want, spec

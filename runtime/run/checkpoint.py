@@ -37,11 +37,44 @@ from etils import epath
 from jobspec.errors import CheckpointError, StorageError, StorageFaultError
 from jobspec.run_dir import CHECKPOINT_INDEX, CHECKPOINTS, EVENTS, Event, EventKind, checkpoint_dir
 from jobspec.run_store import ArtifactStore
-from jobspec.storage import configure_gcs_env, storage_fault
+from jobspec.storage import RetryPolicy, configure_gcs_env, storage_fault
 from runtime.run import checksums
 from runtime.run.meta import CheckpointMeta
 
-log = logging.getLogger(__name__)
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def tensorstore_retries(policy: RetryPolicy) -> dict[str, Any]:
+    """tensorstore's `gcs_request_retries` for `policy`: the same backoff, and as many tries as
+    it takes for the waits (initial_s doubling up to max_s) to add up to total_s. Its default
+    (32 tries up to 32 s apart) retries a failing upload for about 15 minutes, past every
+    deadline of the run's own storage calls."""
+    waited, tries = 0.0, 0
+    while waited < policy.total_s:
+        waited += min(policy.initial_s * 2**tries, policy.max_s)
+        tries += 1
+    return {
+        "max_retries": max(tries, 1),
+        "initial_delay": f"{policy.initial_s}s",
+        "max_delay": f"{policy.max_s}s",
+    }
+
+
+def bound_tensorstore_retries(policy: RetryPolicy) -> None:
+    """Make the tensorstore contexts Orbax builds for every save and restore retry gs:// requests
+    within `policy` (runtime.storage_retry_s). Orbax has no parameter for it: it copies these
+    module-level defaults for each context (tests/test_checkpoint.py checks that it still
+    does); a version without them keeps tensorstore's own retries."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    retries = tensorstore_retries(policy)
+    for name in ("_BASE_TS_CONTEXT", "_DEFAULT_OCDBT_TS_CONTEXT"):
+        context = getattr(ts_utils, name, None)
+        if isinstance(context, dict):
+            context["gcs_request_retries"] = retries
+
 
 COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker for object stores
 # `entry` repeats the step's index entry inside the checkpoint, so a step that committed just
@@ -117,7 +150,7 @@ def _read_entry(store: ArtifactStore, step: int) -> dict[str, Any] | None:
     try:
         entry = store.read_json(rel)
     except StorageError:
-        log.warning("checkpoint %s has no readable entry; leaving it unindexed", store.uri(rel))
+        _warn(f"checkpoint {store.uri(rel)} has no readable entry; leaving it unindexed")
         return None
     return entry if isinstance(entry, dict) and entry.get("step") == step else None
 
@@ -162,6 +195,8 @@ class CheckpointService:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         configure_gcs_env()
+        if store.remote:
+            bound_tensorstore_retries(store.retry)
         self.store = store
         self.keep = keep
         self.every, self.last_step = every, last_step
@@ -523,14 +558,14 @@ class CheckpointService:
                 with contextlib.suppress(Exception):
                     self._mgr.close()  # released either way; the save's error is the one raised
                 raise
-            log.warning("closing checkpoints under %s after a failure: %s", self.directory, e)
+            _warn(f"closing checkpoints under {self.directory} after a failure: {e}")
         self._summer.shutdown(wait=False, cancel_futures=True)
         try:
             self._mgr.close()
         except Exception as e:
             if not (after_failure or self._failed_step is not None):
                 raise
-            log.warning("closing checkpoints under %s after a failure: %s", self.directory, e)
+            _warn(f"closing checkpoints under {self.directory} after a failure: {e}")
 
     # ---- restore -----------------------------------------------------------------------------
 

@@ -278,3 +278,22 @@ def test_a_data_server_that_stops_answering_ends_the_run_within_the_retry_budget
     assert re.match(rf"error: cannot read \d+ token ranges of {gs_run_uri}/data/", line), line
     assert "did not answer within" in line and "restartable" in line, line
     assert took < 60, f"it took {took:.0f} s after the stall to end"
+
+
+def test_tensorstore_error_texts_name_the_fault() -> None:
+    """Orbax re-raises tensorstore's errors as text (the type is lost): a retryable HTTP code in
+    tensorstore's current `[http_response_code='503']` form is a fault, said in one line; a 404
+    is not (the checkpoint's own problem)."""
+    text = (
+        "ABORTED: Error writing gs://b/run/checkpoints/5/opt_state/_sharding: All 2 retry "
+        "attempts failed: injected [http_response_code='503'] [http_response_body='{\"error\": "
+        "{\"code\": 503}}'] [source locations='tensorstore/kvstore/gcs_http/gcs_key_value_store.cc:1']"
+    )
+    fault = storage.storage_fault(ValueError(text))
+    assert fault == storage.Fault(
+        "HTTP 503: ABORTED: Error writing gs://b/run/checkpoints/5/opt_state/_sharding: All 2 "
+        "retry attempts failed: injected",
+        disk=False,
+    )
+    assert storage.storage_fault(ValueError("NOT_FOUND: x [http_response_code='404']")) is None
+    assert storage.storage_fault(ValueError("x [http_response_code='429']")) is not None

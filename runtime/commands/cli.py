@@ -820,7 +820,7 @@ def main(argv: list[str] | None = None) -> None:
         code = e.code if isinstance(e.code, int) else 1
         # Every `finally` has run (a failure recorded, the claim released); skip only the
         # interpreter's shutdown (see stopped()). After a storage fault that shutdown would join
-        # Orbax's threads, which tensorstore keeps retrying a dead upload in for many minutes.
+        # Orbax's threads, which may still be retrying a dead upload (up to storage_retry_s).
         if startup.stopped() or code == EXIT_STORAGE_FAULT:
             from runtime.host import hostlog
 

@@ -21,8 +21,8 @@ from jobspec.exit_codes import EXIT_STORAGE_FAULT
 
 from runs import ROOT, tiny_config, write_config
 
-# Far below tensorstore's own retrying of one upload (32 tries with backoff: many minutes), far
-# above what flushing the records and leaving takes on loaded cores.
+# Far below tensorstore's own default retrying of one upload (32 tries with backoff: about 15
+# minutes), far above what flushing the records and leaving takes on loaded cores.
 EXIT_AFTER_ERROR_S = 60
 HANG_S = 600  # only catches a run that never gets to its error sentence
 

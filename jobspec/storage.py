@@ -206,6 +206,11 @@ class RetryPolicy:
     disk_wait_s: float = 0.5
     call_s: float = 60.0
 
+    def backoff_s(self, retry: int) -> float:
+        """The longest wait before retry `retry` (0 for the first): initial_s doubling up to
+        max_s. with_retries waits a random part of it (full jitter)."""
+        return min(self.max_s, self.initial_s * 2**retry)
+
 
 DEFAULT_RETRY = RetryPolicy()
 _process_policy = DEFAULT_RETRY
@@ -260,7 +265,7 @@ def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy | None = No
                 again = tries < policy.disk_tries
                 delay = policy.disk_wait_s
             else:
-                delay = random.uniform(0, min(policy.max_s, policy.initial_s * 2 ** (tries - 1)))
+                delay = random.uniform(0, policy.backoff_s(tries - 1))
                 again = waited + delay < policy.total_s
             stopped = state.stop_reason
             if stopped is not None and state.stop_at is not None:  # retried only briefly

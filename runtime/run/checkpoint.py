@@ -53,7 +53,7 @@ def tensorstore_retries(policy: RetryPolicy) -> dict[str, Any]:
     deadline of the run's own storage calls."""
     waited, tries = 0.0, 0
     while waited < policy.total_s:
-        waited += min(policy.initial_s * 2**tries, policy.max_s)
+        waited += policy.backoff_s(tries)
         tries += 1
     return {
         "max_retries": max(tries, 1),

@@ -16,6 +16,12 @@ from pydantic import BaseModel, ValidationError
 
 from jobspec.errors import ConfigError
 from jobspec.run_config import RunConfig
+from jobspec.toml_nesting import deepest_key, deepest_line
+
+# A run config is a page of TOML; these bounds keep a broken or hostile file (or --set value)
+# from taking minutes and gigabytes, or overflowing the stack of recursive readers.
+MAX_RUN_CONFIG_BYTES = 1 << 20  # the same as a job spec; a ConfigMap holds 1 MiB in all
+MAX_RUN_CONFIG_DEPTH = 100  # tables and arrays inside each other, the top-level table counting
 
 
 def _loc(loc: tuple) -> str:
@@ -108,7 +114,20 @@ def _fill_from_hf(data: dict, source: str) -> dict:
     return {**data, "model": merged}
 
 
+def check_depth(data: object, source: str) -> None:
+    """A ConfigError when `data` nests tables and arrays more than MAX_RUN_CONFIG_DEPTH deep:
+    what reads it next (pydantic, merge, the secret scan, tomli_w) recurses once per level."""
+    loc = deepest_key(data, MAX_RUN_CONFIG_DEPTH)
+    if loc is not None:
+        where = _loc(loc[:4]) + ("…" if len(loc) > 4 else "")
+        raise ConfigError(
+            f"{source}: {where}: tables and arrays nest more than {MAX_RUN_CONFIG_DEPTH} levels "
+            "deep here; a run config needs only a few levels"
+        )
+
+
 def parse_run_config(data: dict, source: str = "run config") -> RunConfig:
+    check_depth(data, source)  # --set values and inline tables come here without a TOML file
     if "include" in data:
         raise ConfigError(
             f"{source}: include: only a run-config file can include others (its paths are "
@@ -121,18 +140,73 @@ def parse_run_config(data: dict, source: str = "run config") -> RunConfig:
         raise ConfigError(describe_validation_error(e, RunConfig, source)) from None
 
 
-def _parse_toml_file(p: Path) -> dict:
+def _read_bounded(p: Path) -> str:
+    """The text of the file at `p`, refused before it is parsed when over MAX_RUN_CONFIG_BYTES."""
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
+    with p.open("rb") as f:
+        raw = f.read(MAX_RUN_CONFIG_BYTES + 1)  # never more, even if the file grows meanwhile
+    if len(raw) > MAX_RUN_CONFIG_BYTES:
+        size = max(p.stat().st_size, len(raw))
+        raise ConfigError(
+            f"{p}: the run config is {size:,} bytes, more than the {MAX_RUN_CONFIG_BYTES:,} a run "
+            "config may have; is this the right file? (lists of files belong in a data manifest)"
+        )
     try:
-        text = p.read_text()
-        return tomllib.loads(text)
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a UTF-8 text file") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # as read_text's universal newlines
+
+
+def _too_deep(source: str) -> ConfigError:
+    return ConfigError(
+        f"{source}: tables and arrays nest more than {MAX_RUN_CONFIG_DEPTH} levels deep (too deep "
+        "to read); a run config needs only a few levels"
+    )
+
+
+def toml_loads(text: str, source: str) -> dict:
+    """`text` parsed as TOML, its nesting checked first (tomllib recurses per level, and a long
+    dotted key costs it memory by the square): a ConfigError naming `source` and the line when
+    it nests more than MAX_RUN_CONFIG_DEPTH deep. TOMLDecodeError passes through."""
+    line = deepest_line(text, MAX_RUN_CONFIG_DEPTH)
+    if line is not None:
+        raise ConfigError(
+            f"{source}: line {line}: tables and arrays (dotted keys, headers, [arrays], "
+            f"{{inline tables}}) nest more than {MAX_RUN_CONFIG_DEPTH} levels deep; a run config "
+            "needs only a few levels"
+        )
+    try:
+        data = tomllib.loads(text)
+    except RecursionError:  # deepest_line counts what tomllib recurses on; this is a backstop
+        raise _too_deep(source) from None
+    check_depth(data, source)
+    return data
+
+
+def toml_value(text: str, source: str) -> Any:
+    """`text` as a TOML value (`2e6`, `"a b"`, `[1, 2]`), or `text` itself where it is not one
+    (a bare word is a string); a ConfigError naming `source` when it nests too deep."""
+    line = f"v = {text}"
+    if deepest_line(line, MAX_RUN_CONFIG_DEPTH) is not None:
+        raise _too_deep(source)
+    try:
+        return tomllib.loads(line)["v"]  # what it adds is checked with the whole config
+    except tomllib.TOMLDecodeError:
+        return text
+    except RecursionError:  # a backstop, as in toml_loads
+        raise _too_deep(source) from None
+
+
+def _parse_toml_file(p: Path) -> dict:
+    text = _read_bounded(p)
+    try:
+        return toml_loads(text, str(p))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(
             _duplicate_key(p, text, str(e)) or f"{p}: TOML syntax error: {e}"
         ) from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not a UTF-8 text file") from None
 
 
 _OVERWRITE = re.compile(r"Cannot overwrite a value \(at line (\d+), column \d+\)")
@@ -211,7 +285,7 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> tuple[Ru
         names = ", ".join(os.path.normpath(f) for f in included)
         source = f"# {path} with its includes merged in ({names})\n" + tomli_w.dumps(data)
     else:
-        source = Path(path).read_text()
+        source = _read_bounded(Path(path))
     if overrides:
         data = merge(data, overrides)
     return parse_run_config(data, str(path)), source

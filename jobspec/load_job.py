@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from jobspec.errors import ConfigError
 from jobspec.job_spec import JobSpec, spec_yaml
 from jobspec.load import (
+    MAX_RUN_CONFIG_BYTES,
     describe_validation_error,
     merge,
     parse_run_config,
@@ -197,7 +198,21 @@ def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = Non
     for where, what in find_secrets(raw):  # cfg.toml goes verbatim to every backend's hosts
         raise ConfigError(f"{source}: {refusal(where, what)}")
     run = parse_run_config(raw, source)
-    return LoadedJob(spec, run, tomli_w.dumps(raw), spec_yaml(spec), p, run_id)
+    return LoadedJob(spec, run, _hosts_toml(raw, source), spec_yaml(spec), p, run_id)
+
+
+def _hosts_toml(raw: dict, source: str) -> str:
+    """cfg.toml as every host reads it, refused here when over the size a host will read (its
+    includes, each within bounds, may add up to more)."""
+    text = tomli_w.dumps(raw)
+    size = len(text.encode())
+    if size > MAX_RUN_CONFIG_BYTES:
+        raise ConfigError(
+            f"{source}: the run config with its includes merged in is {size:,} bytes, more than "
+            f"the {MAX_RUN_CONFIG_BYTES:,} a run config may have (every host reads it whole); "
+            "move large values, such as lists of files, into the data manifest"
+        )
+    return text
 
 
 def run_with_id(job: LoadedJob, run_id: str) -> tuple[RunConfig | PrepareJobConfig, str]:

@@ -11,7 +11,7 @@ import re
 from pathlib import PurePosixPath
 from typing import Annotated, Literal, NamedTuple
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from jobspec.families import AnyModelConfig
 from jobspec.section import NonNegativeInt, PositiveFloat, PositiveInt, Section
@@ -295,7 +295,10 @@ class TrainingConfig(Section):
         1, description="Microbatches per optimizer step."
     )
     target_tokens: Annotated[int, Field(gt=0, le=MAX_TARGET_TOKENS)] = Field(
-        description="Train until this many tokens have been consumed; at most 1e16."
+        description=(
+            "Train until this many tokens have been consumed: at least one step's "
+            "(global_batch_size x gradient_accumulation_steps x seq_len), at most 1e16."
+        )
     )
     log_every: PositiveStepCount = Field(
         10, description="Steps between live lines and host syncs (every step gets a metrics row)."
@@ -340,6 +343,26 @@ class TrainingConfig(Section):
                 "beyond any corpus trained on; check the exponent"
             )
         return value
+
+    @field_validator("target_tokens")
+    @classmethod
+    def _at_least_one_step(cls, value: int, info: ValidationInfo) -> int:
+        # Steps are whole: a target below one step's tokens would train a full step anyway.
+        keys = ("global_batch_size", "gradient_accumulation_steps", "seq_len")
+        sizes = [info.data.get(k) for k in keys]
+        if None in sizes or value >= math.prod(sizes):
+            return value  # a size that failed its own check is reported on its own
+        batch, accum, seq = sizes
+        shape = f"global_batch_size x seq_len = {batch} x {seq}"
+        if accum > 1:
+            shape = (
+                f"global_batch_size x gradient_accumulation_steps x seq_len = "
+                f"{batch} x {accum} x {seq}"
+            )
+        raise ValueError(
+            f"must be at least one step's tokens, {shape} = {batch * accum * seq:,} (a run "
+            "trains whole steps)"
+        )
 
     @property
     def tokens_per_step(self) -> int:

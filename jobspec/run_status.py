@@ -40,3 +40,28 @@ def effective_manifest(manifest: dict[str, Any], events: list[dict[str, Any]]) -
     if last.get("type") == "DivergedError":
         out.update(status="diverged", diverged_at_step=last.get("diverged_at_step"))
     return out
+
+
+def closing_line(
+    run_id: str,
+    state: str,
+    run_dir: str,
+    *,
+    step: int | None,
+    total_steps: int | None = None,
+    loss: float | None = None,
+    best_eval: dict[str, Any] | None = None,
+    detail: str = "",
+) -> str:
+    """The last line of `runtime local` and of `launch submit --wait`, one form for both:
+    `run ID STATE: [DETAIL, ]step S of N, final loss L, best eval NAME L @ step S; RUN_DIR`."""
+    parts = [detail] if detail else []
+    if step is not None:
+        parts.append(f"step {step:,}" + (f" of {total_steps:,}" if total_steps else ""))
+    if loss is not None:
+        parts.append(f"final loss {loss:.4g}")
+    if best_eval:
+        parts.append(
+            f"best eval {best_eval['name']} {best_eval['loss']:.4g} @ step {best_eval['step']:,}"
+        )
+    return f"run {run_id} {state}: {', '.join(parts) or 'nothing recorded'}; {run_dir}"

@@ -8,7 +8,8 @@ would be readable by anyone who can read those. What counts as one:
   Google API, OpenAI and Hugging Face tokens, JWTs, PEM private-key blocks, a GCP
   service-account key file;
 * a URL with a password in it (`scheme://user:password@host`), unless the password is a
-  variable reference (`$VAR`, `${VAR}`, `$(VAR)`) that the shell or the kubelet expands;
+  variable reference (`$VAR`, `${VAR}`, `$(VAR)`): the shell expands one in a setup line, and
+  an env value reaches the program as written (no backend expands it), so the program does;
 * a long random-looking value (`looks_random`) under a name that says secret (`SECRET_WORD`):
   key, token, secret, password, credential.
 

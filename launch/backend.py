@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
+from jobspec.errors import JaxjobError
 from jobspec.job_spec import JobSpec
 
 # The states after which a run never changes again (every backend's status() reports one of
@@ -24,6 +25,20 @@ def tail_lines(lines: Sequence[T], tail: int | None) -> list[T]:
     if tail is None:
         return list(lines)
     return list(lines[max(0, len(lines) - tail) :])
+
+
+class AlreadyRunningError(JaxjobError):
+    """A submit of a run id whose previous submission has not ended: two submissions of one run
+    would train side by side and overwrite each other's state."""
+
+    def __init__(self, run_id: str, state: str, attempt: int | None, started: str | None) -> None:
+        facts = [f"attempt {attempt}"] if attempt is not None else []
+        facts += [f"started {started[:19].replace('T', ' ')} UTC"] if started else []
+        said = f" ({', '.join(facts)})" if facts else ""
+        super().__init__(
+            f"run {run_id} is already {state}{said}; launch cancel {run_id} first or use "
+            "another run_id"
+        )
 
 
 @dataclass(frozen=True)
@@ -75,9 +90,17 @@ class Backend(Protocol):
         """{"state": pending|running|succeeded|failed|cancelled|unknown, "detail": str, ...}."""
 
     def logs(
-        self, handle: Handle, *, host: int | None, follow: bool, tail: int | None
+        self,
+        handle: Handle,
+        *,
+        host: int | None,
+        follow: bool,
+        tail: int | None,
+        since_submission: bool = False,
     ) -> Iterator[str]:
-        """Lines of every host's output (or one host's), each prefixed `[host N] `."""
+        """Lines of every host's output (or one host's), each prefixed `[host N] `;
+        `since_submission`: only what the handle's own submission ran (`--wait`), not an
+        earlier submission of the same run_id."""
 
     def cancel(self, handle: Handle) -> None:
         """Graceful: SIGTERM to every host first, so the runtime checkpoints."""

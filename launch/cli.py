@@ -24,8 +24,9 @@ from jobspec.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
 from jobspec.goodput import duration, goodput_line
 from jobspec.job_spec import JobSpec, check_mesh_fits
 from jobspec.load_job import job_schema, load_job
+from jobspec.run_status import closing_line
 from jobspec.storage import is_remote
-from launch.backend import TERMINAL, Backend, Submission
+from launch.backend import TERMINAL, AlreadyRunningError, Backend, Submission
 from launch.backends import BACKENDS, backend_options, get_backend
 from launch.registry import Registry, RunRecord
 from launch.runid import new_run_id
@@ -84,6 +85,26 @@ def _fmt_progress(p: dict[str, Any]) -> str:
     return out
 
 
+def _closing_line(info: dict[str, Any]) -> str:
+    """`--wait`'s last line, in the form `runtime local` ends with (the backend's detail first;
+    without progress from this submission, its note)."""
+    p = info["progress"]
+    fresh = "error" not in p and not p.get("note")
+    detail = (
+        info["detail"] if fresh else "; ".join(x for x in (info["detail"], _fmt_progress(p)) if x)
+    )
+    return closing_line(
+        info["run_id"],
+        info["state"],
+        info["run_uri"],
+        step=p.get("step") if fresh else None,
+        total_steps=p.get("total_steps"),
+        loss=p.get("last_loss") if fresh else None,
+        best_eval=p.get("best_eval") if fresh else None,
+        detail=detail,
+    )
+
+
 def _fmt_attempt(st: dict[str, Any]) -> str:
     """The attempt line from whichever restart counts the backend knows (local: restarts and
     max_restarts; slurm: the requeue count; k8s: the restarts counted against the maximum)."""
@@ -109,11 +130,18 @@ def _status(rec: RunRecord, st: dict[str, Any] | None = None) -> dict[str, Any]:
         "state": st.get("state", "unknown"),
         "detail": st.get("detail", ""),
         "backend_status": st,
-        "progress": read_progress(rec.run_uri),
+        # Only what this submission wrote: a resubmitted run's folder has the earlier ones'.
+        "progress": read_progress(rec.run_uri, since=rec.submitted),
         "run_uri": rec.run_uri,
         "submitted": rec.submitted,
         "job_path": rec.job_path,
     }
+
+
+def _ended(st: dict[str, Any]) -> bool:
+    """Whether a status will not change any more: a terminal state, or `unknown` that the
+    backend says is for good (`ended`: e.g. a JobSet gone without a record of how it ended)."""
+    return st.get("state") in TERMINAL or bool(st.get("ended"))
 
 
 def _wait(
@@ -129,7 +157,7 @@ def _wait(
 
     handle = rec.to_handle()
     if stream:
-        lines = backend.logs(handle, host=None, follow=True, tail=None)
+        lines = backend.logs(handle, host=None, follow=True, tail=None, since_submission=True)
         if all_hosts:
             for line in lines:
                 click.echo(line)
@@ -139,7 +167,7 @@ def _wait(
                 click.echo(line)
             if note := view.hidden.note():
                 click.echo(note, err=True)
-    while (st := backend.status(handle)).get("state") not in TERMINAL:
+    while not _ended(st := backend.status(handle)):
         if st.get("never_starts"):  # waiting would never end
             raise JaxjobError(
                 f"run {rec.run_id} is queued but {st['hint']}; it stays queued "
@@ -147,6 +175,56 @@ def _wait(
             )
         time.sleep(1.0)
     return st
+
+
+def _refuse_if_active(registry: Registry, run_id: str) -> None:
+    """A run id whose previous submission has not ended (pending or running, as its own
+    backend says) is not submitted again: both would train and write the run's state."""
+    previous = registry.get(run_id)  # a broken record says so: it may name a run that runs
+    if previous is None:
+        return
+    try:
+        st = get_backend(previous.backend, previous.backend_options).status(previous.to_handle())
+    except JaxjobError as e:
+        raise JaxjobError(
+            f"cannot tell whether run {run_id} (submitted {previous.submitted[:19]} to "
+            f"{previous.backend}) still runs, so it is not submitted again: {e}"
+        ) from None
+    state = st.get("state")
+    if state in ("pending", "running"):
+        raise AlreadyRunningError(run_id, state, st.get("attempt"), previous.submitted)
+
+
+def _submit(
+    impl: Backend, sub: Submission, registry: Registry, options: dict[str, Any], job: str
+) -> RunRecord:
+    """Check that the run is not running, submit it and record it, under the run's submit lock:
+    of two submits of one run id, the second sees the first's record and is refused."""
+    run_dir = registry.run_dir(sub.run_id)
+    fresh = not run_dir.exists()
+    with registry.submit_lock(sub.run_id):
+        _refuse_if_active(registry, sub.run_id)  # before anything is written or started
+        fresh = fresh and not registry.exists(sub.run_id)
+        submitted = utc_now()  # before the submit: whatever this submission writes is newer
+        try:
+            handle = impl.submit(sub)
+            if not getattr(impl, "writes_run_files", False):  # local and slurm write their own
+                registry.prepare_run_dir(sub)
+        except BaseException:
+            if fresh:  # nothing was submitted: leave no trace in the registry
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        rec = RunRecord(
+            run_id=sub.run_id,
+            backend=impl.name,
+            handle=handle.data,
+            output_uri=sub.output_uri,
+            submitted=submitted,
+            job_path=str(Path(job).resolve()),
+            backend_options=options,
+        )
+        registry.record(rec)
+    return rec
 
 
 BACKEND_OPTION = click.option(
@@ -203,25 +281,7 @@ def submit_cmd(
     registry = Registry()
     sub = prepare_submission(job, backend, registry)
     run_dir = registry.run_dir(sub.run_id)
-    existed = run_dir.exists()
-    try:
-        handle = impl.submit(sub)
-        if not getattr(impl, "writes_run_files", False):  # local and slurm write their own
-            registry.prepare_run_dir(sub)
-    except BaseException:
-        if not existed:  # nothing was submitted: leave no trace in the registry
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    rec = RunRecord(
-        run_id=sub.run_id,
-        backend=backend,
-        handle=handle.data,
-        output_uri=sub.output_uri,
-        submitted=utc_now(),
-        job_path=str(Path(job).resolve()),
-        backend_options=options,
-    )
-    registry.record(rec)
+    rec = _submit(impl, sub, registry, options, job)
     if not wait:
         if as_json:
             _print_json({"run_id": rec.run_id, "backend": backend, "handle": rec.handle,
@@ -247,10 +307,7 @@ def submit_cmd(
     if as_json:
         _print_json(info)
     else:
-        click.echo(
-            f"run {rec.run_id} {info['state']}: {info['detail']} ({_fmt_progress(info['progress'])})",
-            err=True,
-        )
+        click.echo(_closing_line(info), err=True)
     sys.exit(0 if info["state"] == "succeeded" else EXIT_FAILED)
 
 
@@ -345,6 +402,13 @@ def logs_cmd(run: str, host: int | None, follow: bool, tail: int | None, all_hos
         raise JaxjobError("--host and --all-hosts exclude each other; use one")
     registry = Registry()
     rec = registry.lookup(run)
+    hosts = _host_count(registry, rec)
+    if host is not None and hosts is not None and host >= hosts:
+        raise JaxjobError(
+            f"--host {host}: run {rec.run_id} has hosts 0-{hosts - 1}"
+            if hosts > 1
+            else f"--host {host}: run {rec.run_id} has one host, host 0"
+        )
     backend = get_backend(rec.backend, rec.backend_options)
     lines = backend.logs(rec.to_handle(), host=host, follow=follow, tail=tail)
     try:
@@ -354,15 +418,7 @@ def logs_cmd(run: str, host: int | None, follow: bool, tail: int | None, all_hos
             return
         hidden = Hidden()
         if follow:
-            hosts: int | None = None  # a line every host said is due at once: from job.yaml
-            try:
-                import yaml
-
-                data = yaml.safe_load((registry.run_dir(rec.run_id) / "job.yaml").read_text())
-                hosts = JobSpec.model_validate(data).host_processes(rec.backend)
-            except Exception:  # only a shortcut: without it a warning waits its window
-                pass
-            view = QuietStream(hosts)
+            view = QuietStream(hosts)  # a line every host said is due at once
             hidden = view.hidden
             for line in follow_quiet(lines, view):
                 click.echo(line)
@@ -373,6 +429,17 @@ def logs_cmd(run: str, host: int | None, follow: bool, tail: int | None, all_hos
             click.echo(note, err=True)
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _host_count(registry: Registry, rec: RunRecord) -> int | None:
+    """How many hosts the run has, from the job.yaml its submit kept (None: unreadable)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((registry.run_dir(rec.run_id) / "job.yaml").read_text())
+        return JobSpec.model_validate(data).host_processes(rec.backend)
+    except Exception:  # noqa: BLE001 - only a check and a shortcut; the logs still show
+        return None
 
 
 @cli.command("cancel")
@@ -391,7 +458,7 @@ def cancel_cmd(run: str, wait: bool) -> None:
     if not wait:
         click.echo(f"cancel sent to {rec.run_id}: its hosts checkpoint and stop")
         return
-    while (st := backend.status(handle)).get("state") not in TERMINAL:
+    while not _ended(st := backend.status(handle)):
         time.sleep(0.5)
     click.echo(f"{rec.run_id} {st['state']}: {st.get('detail', '')}")
 

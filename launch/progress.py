@@ -6,6 +6,7 @@ the few files it needs through jobspec.storage's fsspec helper, which imports no
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from typing import Any
 
@@ -65,36 +66,94 @@ def prepare_note(m: dict[str, Any]) -> str:
     return f"prepare {status}: {m.get('error') or 'see launch logs'}"
 
 
-def read_progress(run_uri: str) -> dict[str, Any]:
+def when(stamp: Any) -> dt.datetime | None:
+    """An ISO 8601 time of a record (`updated`, a record's `submitted`, a k8s creationTimestamp)
+    as an aware datetime; None when it is not one."""
+    try:
+        t = dt.datetime.fromisoformat(str(stamp))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=dt.UTC)
+
+
+def earlier_submission(manifest: dict[str, Any], since: str | None) -> bool:
+    """Whether `manifest` was last written before `since` (when a submission was made), so it
+    is an earlier submission's record, not this one's: a resubmitted run keeps its folder, and
+    this submission's hosts rewrite the manifest when they start. Times of other machines (a
+    cluster's nodes) are compared as they are: their clocks are taken to agree within a host's
+    boot time."""
+    written, made = when(manifest.get("updated")), when(since) if since else None
+    return written is not None and made is not None and written < made
+
+
+class ManifestError(JaxjobError):
+    """A manifest.json that cannot be read or is not a JSON object."""
+
+
+def read_manifest(fs: Any, path: str, shown: str) -> dict[str, Any] | None:
+    """The manifest at `path` (`shown`: its name for the user); None when there is none."""
+    if not fs.exists(path):
+        return None
+    try:
+        with fs.open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ManifestError(f"cannot read {shown}: {e.strerror or e}") from None
+    try:
+        manifest = json.loads(data)
+    except ValueError as e:  # the hosts replace it whole: torn only by hand or a broken disk
+        raise ManifestError(f"cannot read {shown}: it is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError(
+            f"cannot read {shown}: it holds a JSON {type(manifest).__name__}, not an object"
+        )
+    return manifest
+
+
+def _nothing(note: str) -> dict[str, Any]:
+    return {"status": None, "step": 0, "total_steps": None, "last_loss": None,
+            "last_event": None, "goodput": None, "eta_s": None, "latest_eval": None,
+            "best_eval": None, "note": note}  # fmt: skip
+
+
+def _earlier_note(manifest: dict[str, Any]) -> str:
+    total = manifest.get("total_steps")
+    return (
+        f"no progress from this submission yet ({MANIFEST} is an earlier submission's, written "
+        f"{str(manifest.get('updated'))[:19].replace('T', ' ')} UTC: {manifest.get('status')} "
+        f"at step {manifest.get('steps', 0)} / {total if total is not None else '?'})"
+    )
+
+
+def read_progress(run_uri: str, since: str | None = None) -> dict[str, Any]:
     """{"status", "step", "total_steps", "last_loss", "last_event", "goodput", "eta_s",
     "latest_eval", "best_eval", "diverged_at_step", "failure"} ({name, step, loss} of
     metrics/eval.jsonl's newest and lowest rows, with a mixture's loss_per_source;
-    jobspec.evals); {"error": …} when unreadable. The ETA is given while the run says it is
-    running."""
+    jobspec.evals); {"error": …} naming the file when unreadable. The ETA is given while the run
+    says it is running. `since`: when the submission being followed was made; a manifest older
+    than that is an earlier submission's and gives no progress (only a note)."""
     from jobspec.evals import eval_summary
     from jobspec.goodput import account
     from jobspec.run_status import effective_manifest
     from jobspec.storage import join, url_to_fs
 
+    shown = join(run_uri, MANIFEST)
     try:
         fs, root = url_to_fs(run_uri)
-        manifest_path = join(root, MANIFEST)
-        if not fs.exists(manifest_path):
-            return {"status": None, "step": 0, "total_steps": None, "last_loss": None,
-                    "last_event": None, "goodput": None, "eta_s": None, "latest_eval": None,
-                    "best_eval": None, "note": "no artifacts yet"}  # fmt: skip
-        with fs.open(manifest_path, "rb") as f:
-            manifest = json.loads(f.read())
+        manifest = read_manifest(fs, join(root, MANIFEST), shown)
+        if manifest is None:
+            return _nothing("no artifacts yet")
+        if earlier_submission(manifest, since):
+            return _nothing(_earlier_note(manifest))
         if manifest.get("kind") == "prepare":  # a prepare job has no steps: say where it stands
-            return {"status": manifest.get("status"), "step": 0, "total_steps": None,
-                    "last_loss": None, "last_event": None, "goodput": None, "eta_s": None,
-                    "latest_eval": None, "best_eval": None,
-                    "note": prepare_note(manifest)}  # fmt: skip
+            return {**_nothing(prepare_note(manifest)), "status": manifest.get("status")}
         rows = _tail_rows(fs, join(root, TRAIN_METRICS))
         events = _all_rows(fs, join(root, EVENTS))
         evals = eval_summary(_all_rows(fs, join(root, EVAL_METRICS)))
+    except ManifestError as e:
+        return {"error": str(e)}
     except (JaxjobError, OSError, ValueError) as e:
-        return {"error": f"cannot read {run_uri}: {e}"}
+        return {"error": f"cannot read the records under {run_uri}: {e}"}
     # A failure recorded after a `running` manifest that a full disk kept from being replaced.
     manifest = effective_manifest(manifest, events)
     row = rows[-1] if rows else None

@@ -23,6 +23,10 @@ For identity the glog time and thread id, and a leading ISO timestamp, are ignor
 traceback (`Traceback (most recent call last):`, its indented lines and the exception line) is
 one item, so the same traceback from several hosts is shown once, whole.
 
+Native libraries' notices that say nothing a user acts on (gloo's "[Gloo] Rank 0 is connected
+to 1 peer ranks ..." on CPU clusters) are left out of the quiet view like another host's
+ordinary lines, and counted apart ("2 library notice(s)"); --all-hosts and --host N show them.
+
 Pure: no clock or I/O of its own (`follow_quiet` takes the clock and runs the source in a
 thread); `launch` must not import jax, and this imports only the standard library.
 """
@@ -50,6 +54,8 @@ _WORDS = re.compile(
     re.I,
 )
 _TRACEBACK = "Traceback (most recent call last):"
+# Native libraries' notices left out of the quiet view (see the module doc).
+_CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 Key = tuple[str, ...]
 
@@ -68,6 +74,11 @@ def is_warning(text: str) -> bool:
     if g is not None:
         return g.group(1) != "I"
     return _WORDS.search(text) is not None
+
+
+def is_chatter(text: str) -> bool:
+    """Whether a line (without its host prefix) is a native library's notice (module doc)."""
+    return _CHATTER.match(text) is not None
 
 
 def line_key(text: str) -> str:
@@ -113,6 +124,7 @@ class Hidden:
 
     lines: int = 0
     hosts: set[int] = field(default_factory=set)
+    notices: int = 0  # native libraries' notices, of any host
 
     def add(self, host: int, n: int = 1) -> None:
         self.lines += n
@@ -120,12 +132,16 @@ class Hidden:
 
     def note(self) -> str:
         """One sentence for stderr, or "" when nothing was left out."""
-        if not self.lines:
+        parts = []
+        if self.lines:
+            who = "host" if len(self.hosts) == 1 else "hosts"
+            parts.append(f"{self.lines} ordinary line(s) of {who} {host_ranges(self.hosts)}")
+        if self.notices:
+            parts.append(f"{self.notices} library notice(s)")
+        if not parts:
             return ""
-        who = "host" if len(self.hosts) == 1 else "hosts"
         return (
-            f"(quiet view: {self.lines} ordinary line(s) of {who} {host_ranges(self.hosts)} not "
-            "shown; --all-hosts shows every host's lines)"
+            f"(quiet view: {' and '.join(parts)} not shown; --all-hosts shows every host's lines)"
         )
 
 
@@ -137,6 +153,7 @@ class _Item:
     texts: list[str]
     warning: bool
     key: Key = ()
+    chatter: bool = False
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -177,7 +194,8 @@ class _Splitter:
         if text.startswith(_TRACEBACK):
             self.blocks[host] = _Block([text], now)
             return out
-        out.append(_Item(host, [text], is_warning(text)))
+        chatter = is_chatter(text)
+        out.append(_Item(host, [text], is_warning(text) and not chatter, chatter=chatter))
         return out
 
     def close(self, host: int) -> _Item:
@@ -217,6 +235,8 @@ def quiet_lines(lines: Iterable[str], hidden: Hidden | None = None) -> list[str]
     for it in items:
         if isinstance(it, str):
             out.append(it)
+        elif it.chatter:
+            hidden.notices += len(it.texts)
         elif it.host == lead:
             out += it.render(hosts_of[it.key] if it.warning else {lead})
         elif not it.warning:
@@ -280,6 +300,9 @@ class QuietStream:
         return out
 
     def _take(self, it: _Item, now: float) -> list[str]:
+        if it.chatter:
+            self.hidden.notices += len(it.texts)
+            return []
         if not it.warning:
             if it.host == self.lead:
                 return it.render({it.host})

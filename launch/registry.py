@@ -6,6 +6,7 @@ they are written: state.py):
     runs/<run_id>/record.json   the RunRecord (written last: a run without one was never submitted)
     runs/<run_id>/cfg.toml      the run config the hosts read
     runs/<run_id>/job.yaml      the job spec as the user wrote it
+    runs/<run_id>/.submit.lock  held by the one `launch submit` of the run under way (state.py)
     runs/<run_id>/...           whatever the backend keeps there (local: logs/, supervisor.json)
 """
 

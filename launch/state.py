@@ -3,19 +3,25 @@
 Under `$XDG_STATE_HOME/jaxjob/` (default `~/.local/state/jaxjob/`), `runs/<run_id>/` is a run's
 own folder: what its hosts read (cfg.toml, job.yaml) and what its backend keeps there. Every JSON
 file is written to a temporary name and renamed, so a reader sees all of it or none. The run
-registry (registry.py) adds the records; backends need only the folders.
+registry (registry.py) adds the records; backends need only the folders. `.submit.lock` in a run's
+folder is held (flock) while one `launch submit` checks that the run is not running and starts it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from launch.backend import Submission
+
+SUBMIT_LOCK = ".submit.lock"
 
 
 def state_root() -> Path:
@@ -70,3 +76,27 @@ class RunFolders:
         write_text_atomic(d / "cfg.toml", sub.run_toml)
         write_text_atomic(d / "job.yaml", sub.spec_yaml)  # validated, no comments
         return d
+
+    @contextmanager
+    def submit_lock(self, run_id: str) -> Iterator[None]:
+        """Held by one submit of `run_id` at a time, from its check that the run is not running
+        until its record is written, so two submits cannot both pass the check. Blocks while
+        another holds it (a submit takes seconds at most)."""
+        path = self.run_dir(run_id) / SUBMIT_LOCK
+        while True:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # A failed first submit removes the run's folder, lock and all, while a second one
+            # waits on that file: the second then locks afresh what is there now.
+            try:
+                current = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                break
+            os.close(fd)
+        try:
+            yield
+        finally:
+            os.close(fd)  # closing the last descriptor releases the lock

@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # A one-node SLURM cluster on this machine (munge, slurmctld, slurmd), for the SLURM tests and CI.
 #
-#   scripts/slurm-dev-cluster.sh start    configure and start the daemons; wait until the node is idle
+#   scripts/slurm-dev-cluster.sh start [--owner PID]   configure and start the daemons; wait
+#                                                     until the node is idle
 #   scripts/slurm-dev-cluster.sh stop     cancel its jobs and stop the daemons this script started
 #   scripts/slurm-dev-cluster.sh status   exit 0 when the cluster answers (prints sinfo)
 #
 # Everything lives under $JAXJOB_SLURM_DIR (default /tmp/jaxjob-slurm): slurm.conf, state, spool,
-# pid and log files. Clients find the config through SLURM_CONF=$JAXJOB_SLURM_DIR/slurm.conf, and
-# through /etc/slurm/slurm.conf, which `start` points at it when no other config is there (so plain
-# `sinfo`/`sbatch` work); a config that is not ours is never touched. Needs root and
-# `apt-get install -y slurm-wlm munge` (slurm 22.05). The settings are those FACTS.md saw working.
+# pid and log files. Clients find the config only through the environment,
+# SLURM_CONF=$JAXJOB_SLURM_DIR/slurm.conf (`start` prints the export line): no global path such
+# as /etc/slurm/slurm.conf is written, so no `sbatch` outside that environment reaches this
+# cluster. With --owner PID the cluster lives only as long as that process: a watcher stops it
+# when PID ends, however it ends (the test suite passes its own pid, so a suite stopped by
+# SIGTERM, Ctrl-C or SIGKILL leaves no daemon behind). Needs root and
+# `apt-get install -y slurm-wlm munge` (slurm 22.05).
 set -euo pipefail
 
 DIR=${JAXJOB_SLURM_DIR:-/tmp/jaxjob-slurm}
 CONF=$DIR/slurm.conf
-ETC_CONF=/etc/slurm/slurm.conf
+REAPER_PID=$DIR/reaper.pid
 MARK="# written by jaxjob scripts/slurm-dev-cluster.sh"
 export SLURM_CONF=$CONF
 
@@ -59,15 +63,14 @@ EOF
     mv "$CONF.new" "$CONF"
 }
 
-# Point /etc/slurm/slurm.conf at ours unless another config is there.
-link_etc_conf() {
-    if [[ -L $ETC_CONF && $(readlink "$ETC_CONF") == "$CONF" ]]; then return; fi
-    if [[ -e $ETC_CONF || -L $ETC_CONF ]]; then
-        say "$ETC_CONF is not ours; left alone (clients need SLURM_CONF=$CONF)"
-        return
-    fi
-    mkdir -p "$(dirname "$ETC_CONF")"
-    ln -s "$CONF" "$ETC_CONF"
+# A watcher, in a session of its own, that runs `stop` once process $1 has ended.
+watch_owner() {
+    local owner=$1
+    kill -0 "$owner" 2>/dev/null || { say "--owner $owner is not a running process"; exit 2; }
+    # tail --pid returns when the owner exits; `stop` then ends the daemons and this watcher.
+    JAXJOB_SLURM_DIR=$DIR setsid bash -c 'tail --pid="$1" -f /dev/null; exec bash "$2" stop' \
+        reaper "$owner" "$(realpath "$0")" </dev/null >>"$DIR/log/reaper.log" 2>&1 &
+    echo $! >"$REAPER_PID"
 }
 
 start_munge() {
@@ -90,14 +93,15 @@ start() {
         exit 1
     }
     [[ $(id -u) == 0 ]] || { say "must run as root (the daemons run as root here)"; exit 1; }
+    local owner=""
+    if [[ ${1:-} == --owner ]]; then owner=${2:?--owner needs a pid}; fi
     mkdir -p "$DIR"
     if alive "$DIR/slurmctld.pid" && alive "$DIR/slurmd.pid" && sinfo -h >/dev/null 2>&1; then
-        say "already running (SLURM_CONF=$CONF)"
-        link_etc_conf
+        say "already running; clients need: export SLURM_CONF=$CONF"
         return
     fi
     write_conf
-    link_etc_conf
+    [[ -z $owner ]] || watch_owner "$owner"
     start_munge
     # -c: a fresh controller state, so no job of an earlier session comes back to life.
     alive "$DIR/slurmctld.pid" || slurmctld -c -f "$CONF"
@@ -106,7 +110,10 @@ start() {
     for _ in $(seq 100); do
         state=$(node_state)
         case $state in
-        idle | mix | alloc) say "up: node $(hostname -s) $state (SLURM_CONF=$CONF)"; return ;;
+        idle | mix | alloc)
+            say "up: node $(hostname -s) $state; clients need: export SLURM_CONF=$CONF"
+            return
+            ;;
         esac
         sleep 0.2
     done
@@ -133,7 +140,13 @@ stop() {
         stop_pid /run/munge/munged.pid
         rm -f "$DIR/munged.ours"
     fi
-    if [[ -L $ETC_CONF && $(readlink "$ETC_CONF") == "$CONF" ]]; then rm -f "$ETC_CONF"; fi
+    # The owner's watcher, unless this is the watcher itself (its pid file names the setsid'd
+    # bash, which has exec'd into this stop).
+    # Its whole process group: the watcher's bash and its tail.
+    if [[ -s $REAPER_PID && $(<"$REAPER_PID") != "$$" ]]; then
+        kill -- -"$(<"$REAPER_PID")" 2>/dev/null || true
+    fi
+    rm -f "$REAPER_PID"
     say "stopped"
 }
 
@@ -144,7 +157,7 @@ status() {
 }
 
 case ${1:-} in
-start) start ;;
+start) start "${@:2}" ;;
 stop) stop ;;
 status) status ;;
 *)

@@ -37,6 +37,26 @@ else:
     _XLA_CACHE = None
 
 
+def _stop_like_ctrl_c(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM stops the suite as Ctrl-C does: fixtures' finalizers run, so the servers and
+    clusters the tests started are stopped (the default SIGTERM ends Python without them)."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stop_like_ctrl_c)
+
+
+def _end_with_parent() -> None:
+    """In a server's child process before exec: SIGTERM when the test process that started it
+    ends, even by SIGKILL (Linux), so no server outlives the suite."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     if _XLA_CACHE is not None:
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
@@ -155,7 +175,12 @@ def gcs_emulator() -> Iterator[GcsEmulator]:
             )
         name, cmd = found
         host = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_end_with_parent if sys.platform == "linux" else None,
+        )
         try:
             _wait_until_up(proc, f"{host}/storage/v1/b")
             with pytest.MonkeyPatch.context() as mp:

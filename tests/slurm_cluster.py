@@ -1,9 +1,10 @@
 """pytest plugin: a real SLURM cluster for the session, for the suites that submit jobs.
 
 Registered in tests/conftest.py through `pytest_plugins`. The `slurm_cluster` fixture uses the
-cluster `sinfo` already answers for; otherwise it starts the one-node dev cluster
-(scripts/slurm-dev-cluster.sh: munge, slurmctld, slurmd on this machine) and stops it at the
-end of the session. It skips, saying why, where SLURM is not installed or cannot be started.
+cluster `sinfo` already answers for (SLURM_CONF in the environment, as .ci/run sets it);
+otherwise it starts the one-node dev cluster (scripts/slurm-dev-cluster.sh: munge, slurmctld,
+slurmd on this machine), owned by this process: it is stopped at the end of the session, or by
+the script's watcher when this process ends any other way. It skips, saying why, where SLURM is not installed or cannot be started.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     if os.geteuid() != 0:
         pytest.skip("no SLURM cluster answers, and starting the dev cluster needs root")
     conf = str(Path(os.environ.get("JAXJOB_SLURM_DIR", "/tmp/jaxjob-slurm")) / "slurm.conf")
+    # --owner: the daemons end with this process, even when the suite is killed (SIGTERM,
+    # Ctrl-C, SIGKILL), so none serves jobs after the tests.
     proc = subprocess.run(
-        ["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=120
-    )
+        ["bash", str(SCRIPT), "start", "--owner", str(os.getpid())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     if proc.returncode != 0:
         # A start that failed partway may have left munged or a daemon running: stop them.
         subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, timeout=120)

@@ -300,6 +300,29 @@ def test_gs_step_without_commit_file_never_becomes_latest(orbax_gs_run_uri: str)
     svc.close()
 
 
+def test_a_service_that_may_write_rebuilds_a_damaged_index(tmp_path, capsys) -> None:
+    """As `checkpoints rollback` opens a run (a resume: tests/faults/test_damaged_index.py)."""
+    root = tmp_path / "run"
+    store = ArtifactStore(str(root))
+    svc = CheckpointService(store, keep=3, async_save=False)
+    save(svc, 1, val_loss=2.0)
+    save(svc, 2, val_loss=3.0)
+    svc.close()
+    (root / INDEX).write_bytes(b'{"checkpoints": [{"st')
+    capsys.readouterr()
+
+    svc = CheckpointService(ArtifactStore(str(root)), keep=3, async_save=False)
+    assert svc.steps() == [1, 2] and svc.best() == 1  # the loss each step was saved with
+    assert load_index(store) == svc.read_index()  # rebuilt on disk
+    (kept,) = (root / "checkpoints").glob("index.json.corrupt-*")
+    assert kept.read_bytes() == b'{"checkpoints": [{"st'
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(
+        f"warning: {root}/{INDEX} was damaged (not valid JSON: "
+    ), err
+    svc.close()
+
+
 def test_read_only_service_leaves_a_live_save_alone(tmp_path) -> None:
     root = tmp_path / "run"
     svc = CheckpointService(ArtifactStore(str(root)), keep=2, async_save=False)

@@ -199,6 +199,8 @@ def test_reprepare_removes_an_older_layouts_loose_files(tmp_path):
     out.mkdir()
     for name in ("train-00000.bin", "train-offsets.bin", "validation-offsets.bin", "notes.txt"):
         (out / name).write_bytes(b"old")
+    # Its manifest (the old layout named the loose files): the folder is a jaxjob dataset's.
+    (out / "manifest.json").write_text('{"format": "jaxjob.tokens", "version": 1}')
     prepare_dataset([str(src / "a.txt")], "byte", str(out), val_fraction=0)
     top = sorted(p.name for p in out.iterdir())
     assert top[:2] == ["manifest.json", "notes.txt"] and top[2].startswith("shards-"), top

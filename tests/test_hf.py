@@ -20,6 +20,7 @@ from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.load import parse_run_config  # noqa: E402
 from runtime.commands.hf import import_to_run  # noqa: E402
 from runtime.hf.convert import flat_params, model_config_from_hf  # noqa: E402
+from runtime.hf.export_dir import MARKER  # noqa: E402
 from runtime.hf.files import INDEX, SINGLE, read_safetensors  # noqa: E402
 from runtime.model.build import build_model  # noqa: E402
 from runtime.model.hf_weights import write_hf  # noqa: E402
@@ -158,12 +159,12 @@ def test_cli_import_then_export_and_sample(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     _same_tensors(load_file(str(src / SINGLE)), load_file(str(tmp_path / "o" / SINGLE)))
-    # Every exported file has the mode a new file gets under this umask (the safetensors
-    # writer's temp file is 0600): 0644 under umask 022.
+    # Every exported file (and the marker that lets a later export replace the folder) has the
+    # mode a new file gets under this umask (the safetensors writer's temp file is 0600).
     (tmp_path / "probe").write_text("")
     plain = (tmp_path / "probe").stat().st_mode & 0o777
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "o").iterdir()}
-    assert modes == {"config.json": plain, SINGLE: plain}
+    assert modes == {"config.json": plain, SINGLE: plain, MARKER: plain}
     r = run_cli("sample", "checkpoint", str(run_dir), "--prompt-ids", "1,2,3", "--top-k", "1")
     assert r.returncode == 0, r.stderr
     # Imported without --config there is no data to evaluate on: one sentence, not a bad path.

@@ -25,7 +25,10 @@ client = pytest.importorskip(
     "kubernetes.client", reason="the k8s backend's client needs pip install 'jaxjob[k8s]'"
 )
 
+import yaml  # noqa: E402
+
 from jobspec.load_job import load_job, run_with_id  # noqa: E402
+from launch import cli as launch_cli  # noqa: E402
 from launch.backend import Handle, Submission  # noqa: E402
 from launch.backends.k8s.backend import K8sBackend  # noqa: E402
 from launch.backends.k8s.client import K8sError  # noqa: E402
@@ -174,16 +177,17 @@ def pod_list(*pods: dict) -> dict:
 def test_submit_creates_the_configmap_then_the_jobset_and_ties_them(api, backend, sub):
     m = render_manifests(sub)
     api.answer("POST", CONFIGMAPS, m.configmap, 201)
-    api.answer(
-        "POST", JOBSETS, {**m.jobset, "metadata": {**m.jobset["metadata"], "uid": "u-1"}}, 201
-    )
+    made = {**m.jobset["metadata"], "uid": "u-1", "creationTimestamp": "2026-01-02T03:04:05Z"}
+    api.answer("POST", JOBSETS, {**m.jobset, "metadata": made}, 201)
     api.answer("PATCH", f"{CONFIGMAPS}/{CM}", m.configmap)
 
     h = backend.submit(sub)
 
     assert h.backend == "k8s"
+    # The JobSet's uid and creation time: what tells this submission from an earlier one.
     assert h.data == {"namespace": NS, "jobset": JS, "context": None,
-                      "output_uri": "gs://jaxjob-runs/k8s", "run_id": JS}  # fmt: skip
+                      "output_uri": "gs://jaxjob-runs/k8s", "run_id": JS, "uid": "u-1",
+                      "submitted": "2026-01-02T03:04:05Z"}  # fmt: skip
     assert api.calls() == [("POST", CONFIGMAPS), ("POST", JOBSETS), ("PATCH", f"{CONFIGMAPS}/{CM}")]
     create_cm, create_js, patch = api.requests
     assert create_cm.body == m.configmap and create_cm.content_type == "application/json"
@@ -324,21 +328,148 @@ def test_status_states(api, backend, status, meta, pods, state, detail):
     assert ("GET", JOBS) not in api.calls()
 
 
-@pytest.mark.parametrize("summary, state", [("completed", "succeeded"), ("interrupted", "cancelled"),
-                                            (None, "unknown")])  # fmt: skip
-def test_status_when_the_jobset_is_gone_reads_the_runs_summary(
-    api, backend, tmp_path, summary, state
+def write_manifest(run_dir: Path, status: str, updated: str, steps: int = 7) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "manifest.json").write_text(
+        json.dumps({"status": status, "steps": steps, "updated": updated})
+    )
+
+
+@pytest.mark.parametrize("status, state", [("completed", "succeeded"), ("interrupted", "cancelled"),
+                                           ("failed", "failed"), (None, "unknown")])  # fmt: skip
+def test_status_when_the_jobset_is_gone_reads_the_runs_manifest(
+    api, backend, tmp_path, status, state
 ):
-    if summary:
-        final = tmp_path / JS / "summaries" / "final.json"
-        final.parent.mkdir(parents=True)
-        final.write_text(json.dumps({"status": summary, "steps": 7}))
+    if status:
+        write_manifest(tmp_path / JS, status, "2026-01-01T00:00:00.000+00:00")
     st = backend.status(handle(str(tmp_path)))
-    assert st["state"] == state
+    assert st["state"] == state and st["ended"]  # nothing will change it: --wait stops
     assert st["detail"].startswith(
         f"JobSet {NS}/{JS} no longer exists (deleted, or removed by its TTL)"
     )
     assert api.calls() == [("GET", f"{JOBSETS}/{JS}")]
+
+
+def test_status_when_the_jobset_is_gone_ignores_an_earlier_submissions_records(
+    api, backend, tmp_path
+):
+    """A resubmitted run (fixed run_id) whose JobSet is gone before its hosts wrote anything
+    (refused at boot, then removed by its TTL): the earlier submission's `completed` records are
+    not this one's end."""
+    write_manifest(tmp_path / JS, "completed", "2026-01-01T00:00:00.000+00:00", steps=300)
+    final = tmp_path / JS / "summaries" / "final.json"
+    final.parent.mkdir(parents=True)
+    final.write_text(json.dumps({"status": "completed", "steps": 300}))
+    h = handle(str(tmp_path))
+    h.data.update(uid="u-2", submitted="2026-01-02T00:00:00Z")
+    st = backend.status(h)
+    assert st["state"] == "unknown" and st["ended"], st
+    assert "it wrote nothing" in st["detail"] and "an earlier submission's" in st["detail"]
+    # What it wrote once it booted is its own.
+    write_manifest(tmp_path / JS, "failed", "2026-01-02T00:00:30.000+00:00", steps=300)
+    assert backend.status(h)["state"] == "failed"
+
+
+def test_status_of_a_jobset_of_another_submission_is_not_followed(api, backend, tmp_path):
+    """The JobSet of the handle's name has another uid (the run was resubmitted elsewhere): its
+    state is that submission's, not the handle's."""
+    api.answer("GET", f"{JOBSETS}/{JS}", jobset({"conditions": [
+        {"type": "Completed", "status": "True", "message": "jobset completed successfully"}]}))  # fmt: skip
+    h = handle(str(tmp_path))
+    h.data.update(uid="mine", submitted="2026-01-02T00:00:00Z")
+    st = backend.status(h)
+    assert st["state"] == "unknown", st
+    assert st["detail"].startswith(f"JobSet {NS}/{JS} is another submission's now")
+    assert api.calls() == [("GET", f"{JOBSETS}/{JS}")]  # its pods are not ours either
+
+
+# ---- `launch submit` of a fixed run_id, through the CLI ---------------------------------------
+
+
+@pytest.fixture
+def job_yaml(api, tmp_path, monkeypatch) -> Path:
+    """A job spec with run_id fixed to JS, its artifacts under tmp_path/runs; the kubeconfig
+    points at the fake API server and the registry is under tmp_path."""
+    kubeconfig = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "c", "cluster": {"server": api.url}}],
+        "users": [{"name": "u", "user": {"token": "t0ken"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "c", "user": "u"}}],
+    }  # fmt: skip
+    (tmp_path / "kubeconfig").write_text(json.dumps(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    spec = yaml.safe_load((SPECS / "tpu-v5e-16.yaml").read_text())
+    spec.update(run_id=JS, run=str(SPECS / "tpu-v5e-16.toml"), output_uri=str(tmp_path / "runs"))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def answer_submit(api: FakeApiServer, uid: str, created: str) -> None:
+    m = render_manifests(load_sub(JS))
+    api.answer("POST", CONFIGMAPS, m.configmap, 201)
+    made = {**m.jobset["metadata"], "uid": uid, "creationTimestamp": created}
+    api.answer("POST", JOBSETS, {**m.jobset, "metadata": made}, 201)
+    api.answer("PATCH", f"{CONFIGMAPS}/{CM}", m.configmap)
+
+
+def load_sub(run_id: str) -> Submission:
+    job = load_job(SPECS / "tpu-v5e-16.yaml")
+    run, toml = run_with_id(job, run_id)
+    return Submission(job.spec, run_id, toml, job.spec_yaml, run.run.output_uri, job.path.parent)
+
+
+def launch_main(*args: str) -> int:
+    try:
+        launch_cli.main(list(args))
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def test_a_second_submit_of_a_running_run_is_refused_before_anything_is_sent(
+    api, job_yaml, tmp_path, capsys
+):
+    answer_submit(api, "u-1", "2026-01-02T03:04:05Z")
+    assert launch_main("submit", str(job_yaml), "--backend", "k8s") == 0
+    record = tmp_path / "state" / "jaxjob" / "runs" / JS / "record.json"
+    first = record.read_text()
+    api.answer("GET", f"{JOBSETS}/{JS}", jobset(uid="u-1"))
+    api.answer("GET", PODS, pod_list(pod(0), pod(1)))
+    sent = len(api.requests)
+    capsys.readouterr()
+
+    assert launch_main("submit", str(job_yaml), "--backend", "k8s") == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: run {JS} is already running (attempt 0, started "
+        f"{json.loads(first)['submitted'][:19].replace('T', ' ')} UTC); launch cancel {JS} "
+        "first or use another run_id\n"
+    )
+    assert {r.method for r in api.requests[sent:]} == {"GET"}  # nothing created, nothing deleted
+    assert record.read_text() == first  # the state a user sees is the running submission's
+
+
+def test_resubmit_wait_never_reports_an_earlier_submissions_end(api, job_yaml, tmp_path, capsys):
+    """The earlier submission completed; the new JobSet is gone before its hosts wrote anything
+    (refused at boot, removed by its TTL): `--wait` must not say `succeeded`."""
+    run_dir = tmp_path / "runs" / JS
+    write_manifest(run_dir, "completed", "2026-01-01T00:00:00.000+00:00", steps=300)
+    (run_dir / "summaries").mkdir()
+    (run_dir / "summaries" / "final.json").write_text(json.dumps({"status": "completed"}))
+    answer_submit(api, "u-1", "2025-12-31T00:00:00Z")  # answers are given in turn
+    answer_submit(api, "u-2", "2026-01-02T00:00:00Z")  # every GET of the JobSet: 404
+    assert launch_main("submit", str(job_yaml), "--backend", "k8s") == 0
+    capsys.readouterr()
+
+    assert launch_main("submit", str(job_yaml), "--backend", "k8s", "--wait", "--json") == 1
+    info = json.loads(capsys.readouterr().out)
+    assert info["state"] == "unknown", info
+    assert "it wrote nothing" in info["detail"] and "an earlier submission's" in info["detail"]
+    assert info["progress"]["note"].startswith("no progress from this submission yet")
+    assert api.calls("POST") == [("POST", CONFIGMAPS), ("POST", JOBSETS)] * 2
 
 
 # ---- logs ------------------------------------------------------------------------------------

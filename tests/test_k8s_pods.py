@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kubelet import expand
 from multihost import free_port
 
 from jobspec.job_spec import check_mesh_fits
@@ -63,7 +64,7 @@ def pod_env(container: dict, meta: dict, completion_index: int) -> dict[str, str
     env = {"JOB_COMPLETION_INDEX": str(completion_index)}  # injected by the Indexed Job
     for e in container["env"]:
         if "value" in e:
-            env[e["name"]] = e["value"]
+            env[e["name"]] = expand(e["value"], env)  # `$(NAME)` and `$$`, as the kubelet does
             continue
         source = e["valueFrom"]
         if "secretKeyRef" in source:  # a stand-in value: no secrets here
@@ -104,7 +105,8 @@ def test_every_pod_computes_its_process_id(case):
     seen = []
     for j, i in pods(m.jobset):
         env = pod_env(c, pod_metadata(m.jobset, j, i, restarts=3), i)
-        out = subprocess.run(c["command"] + probe, env=env, capture_output=True, text=True)
+        argv = [expand(a, env) for a in c["command"]] + probe
+        out = subprocess.run(argv, env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         pid, n, attempt = out.stdout.split()
         assert int(pid) == j * per_job + i
@@ -118,7 +120,8 @@ def test_a_missing_variable_stops_the_pod_with_its_name():
     c = the_container(m.jobset)
     env = pod_env(c, pod_metadata(m.jobset, 0, 1), 1)
     del env["JOB_COMPLETION_INDEX"]
-    out = subprocess.run(c["command"] + ["true"], env=env, capture_output=True, text=True)
+    argv = [expand(a, env) for a in c["command"]] + ["true"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "JOB_COMPLETION_INDEX" in out.stderr
 
 
@@ -170,7 +173,8 @@ def test_cpu_pods_form_one_cluster_and_finish(tmp_path, prepared):
             }
             log = tmp_path / f"pod-{j}-{i}.log"
             with open(log, "wb") as f:
-                p = subprocess.Popen(argv, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+                cmd = [expand(w, env) for w in argv]  # as the kubelet passes them
+                p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
             procs.append((i, p, log))
         for _, p, _ in procs:
             p.wait(timeout=400)

@@ -138,7 +138,7 @@ def test_submit_wait_streams_the_quiet_view(finished):
     steps = [ln for ln in lines if "step: " in ln]
     assert steps and all(ln.startswith("[host 0] step: ") for ln in steps)
     assert sum(ln.startswith("[host 0] step: 12 ") for ln in lines) == 1
-    assert "quiet view:" in out.stderr and "of host 1 not shown" in out.stderr
+    assert "quiet view:" in out.stderr and "ordinary line(s) of host 1 " in out.stderr
     assert f"run {finished['run_id']} succeeded" in out.stderr
 
 
@@ -223,6 +223,10 @@ def test_logs_prefix_every_line_with_its_host(finished):
     # --follow of a finished run prints everything and returns.
     follow = launch("logs", run_id, "--follow", "--all-hosts", state=state, timeout=30)
     assert follow.stdout.splitlines() == lines
+    # A host the run does not have: one sentence, not an empty answer.
+    none = launch("logs", run_id, "--host", "5", state=state)
+    assert none.returncode == 2 and none.stdout == ""
+    assert none.stderr.splitlines() == [f"error: --host 5: run {run_id} has hosts 0-1"]
 
 
 GLOG_0 = "W1206 01:02:03.123456    1234 preemption_notifier.cc:90] SIGTERM caught"
@@ -255,7 +259,7 @@ def test_logs_quiet_view_shows_host0_once_and_host1_warnings(finished):
             assert [ln for ln in quiet if "step: " in ln] == host0_steps, args  # once, in order
             assert quiet.count("[host 1] WARNING: host 1 only") == 1, args
             assert [ln for ln in quiet if "SIGTERM caught" in ln] == [f"[2 hosts: 0,1] {GLOG_0}"]
-            assert "of host 1 not shown" in res.stderr
+            assert "ordinary line(s) of host 1 " in res.stderr
     finally:
         for i, data in before.items():
             files[i].write_bytes(data)
@@ -497,3 +501,66 @@ def test_status_of_a_vanished_supervisor_is_failed(tmp_path):
     }))  # fmt: skip
     st = LocalBackend(Registry(tmp_path)).status(Handle("local", {"run_dir": str(run_dir)}))
     assert st["state"] == "failed" and "is gone" in st["detail"]
+
+
+def test_status_of_a_resubmission_never_reads_the_earlier_submissions_state(tmp_path):
+    """A fixed run_id resubmitted: supervisor.json is still the earlier submission's (it ended
+    `succeeded`) until this submission's is written. Its status is this submission's (here its
+    supervisor died before writing anything), and a cancel reaches it."""
+    from launch.backends.local.submit import cancel
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run_dir / "supervisor.json").write_text(json.dumps({
+        "state": "succeeded", "detail": "all 1 hosts exited 0", "pid": dead.pid, "attempt": 0,
+        "restarts": 0, "max_restarts": 0, "hosts": [], "submission_id": "local-earlier",
+    }))  # fmt: skip
+    handle = Handle("local", {"run_dir": str(run_dir), "pid": dead.pid,
+                              "submission_id": "local-this"})  # fmt: skip
+    st = LocalBackend(Registry(tmp_path)).status(handle)
+    assert st["state"] == "failed", st
+    assert "exited before starting the hosts" in st["detail"]
+    cancel(handle)
+    assert (run_dir / "cancel-requested").exists()  # the earlier end does not swallow it
+    # A handle from before submission ids takes the file as it is.
+    old = Handle("local", {"run_dir": str(run_dir), "pid": dead.pid})
+    assert LocalBackend(Registry(tmp_path)).status(old)["state"] == "succeeded"
+
+
+def test_progress_from_an_earlier_submission_is_not_this_ones(tmp_path):
+    """A manifest last written before the submission followed is an earlier submission's: its
+    `completed` is no progress of this one (only a note saying whose it is)."""
+    from launch.progress import read_progress
+
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "status": "completed", "steps": 300, "total_steps": 300,
+        "updated": "2026-01-01T00:00:00.000+00:00",
+    }))  # fmt: skip
+    p = read_progress(str(tmp_path), since="2026-01-01T00:00:05.000000+00:00")
+    assert p["status"] is None and p["step"] == 0, p
+    assert p["note"] == (
+        "no progress from this submission yet (manifest.json is an earlier submission's, "
+        "written 2026-01-01 00:00:00 UTC: completed at step 300 / 300)"
+    )
+    same = read_progress(str(tmp_path), since="2025-12-31T23:59:59.000000+00:00")
+    assert same["status"] == "completed" and same["step"] == 300
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [("", "it is not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+     ('{"status": "runn', "it is not valid JSON (Unterminated string starting at: line 1 "
+      "column 12 (char 11))"),
+     ("[1, 2]", "it holds a JSON list, not an object")],
+)  # fmt: skip
+def test_an_unreadable_manifest_is_named_with_what_is_wrong(tmp_path, content, why):
+    """`launch status` of a run whose manifest.json is torn or not an object: the progress line
+    names the file and says what is wrong with it, in one sentence."""
+    from launch.progress import read_progress
+
+    (tmp_path / "manifest.json").write_text(content)
+    assert read_progress(str(tmp_path)) == {
+        "error": f"cannot read {tmp_path / 'manifest.json'}: {why}"
+    }

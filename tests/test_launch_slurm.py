@@ -29,11 +29,13 @@ def launch(state: Path, *args: str, timeout: float = 120) -> subprocess.Complete
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
-def job_file(tmp: Path, prepared: str, name: str, steps: int) -> Path:
+def job_file(tmp: Path, prepared: str, name: str, steps: int, run_id: str | None = None) -> Path:
     run = tiny_config(prepared, str(tmp / "runs"), "ignored", mesh={"data": 2},
                       training={"target_tokens": 16 * 8 * steps, "log_every": 1})  # fmt: skip
     spec = {"name": name, "run": run, "accelerator": "cpu", "hosts": 2, "max_restarts": 0,
             "slurm": {"hosts_per_node": 2, "time": "00:15:00", "signal_grace_s": 60}}  # fmt: skip
+    if run_id is not None:  # fixed: every submit of it is the same run
+        spec["run_id"] = run_id
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -125,3 +127,46 @@ def test_cancel_on_slurm_checkpoints_first(tmp_path, prepared, slurm_cluster, su
         index["latest"]
         == json.loads((tmp_path / "runs" / run_id / "summaries/final.json").read_text())["steps"]
     )
+
+
+def test_a_second_submit_of_a_running_run_is_refused(tmp_path, prepared, slurm_cluster, submitted):
+    """A fixed run_id submitted while its job is queued or running: refused before sbatch, and
+    the run's record and folder stay the running job's."""
+    state, job = tmp_path / "state", job_file(tmp_path, prepared, "sl-twice", 100_000, "sl-twice")
+    first = launch(state, "submit", str(job), "--backend", "slurm", "--json")
+    assert first.returncode == 0, first.stderr
+    run_id = submitted(first.stdout)
+    job_id = json.loads(first.stdout)["handle"]["job_id"]
+    record = state / "jaxjob" / "runs" / run_id / "record.json"
+    before = record.read_text()
+    again = launch(state, "submit", str(job), "--backend", "slurm", "--json")
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert again.stderr.startswith(f"error: run {run_id} is already ")
+    assert again.stderr.endswith(f"; launch cancel {run_id} first or use another run_id\n")
+    assert record.read_text() == before  # what status reads is still the first job
+    queued = subprocess.run(["squeue", "-h", "-n", "sl-twice", "-o", "%i"],
+                            capture_output=True, text=True, timeout=60).stdout.split()  # fmt: skip
+    assert queued in ([job_id], []), queued  # one job (ended already, at worst), not two
+    assert launch(state, "cancel", run_id, timeout=30).returncode == 0
+
+
+def test_status_reads_only_this_jobs_batch_lines(tmp_path, monkeypatch):
+    """A resubmitted run's jobs append to one batch.log: the status of a job slurmctld forgot
+    says its own last words (or none), never the earlier job's."""
+    from launch.backend import Handle
+    from launch.backends.slurm import status as slurm_status
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    earlier = "jaxjob: every host exited 0; the job succeeded\n"
+    (logs / "batch.log").write_text(earlier)
+    (tmp_path / "result").write_text("1 0\n")
+    monkeypatch.setattr(slurm_status, "job_record", lambda handle: None)  # forgotten
+    handle = Handle("slurm", {"job_id": "12", "workdir": str(tmp_path),
+                              "batch_log_offset": len(earlier)})  # fmt: skip
+    st = slurm_status.status(handle)
+    assert (st["state"], st["detail"]) == ("failed", "exit code 1")
+    with open(logs / "batch.log", "a") as f:
+        f.write("jaxjob: host 1 exited 2 (not restartable)\n")
+    detail = slurm_status.status(handle)["detail"]
+    assert detail == "exit code 1; host 1 exited 2 (not restartable)"

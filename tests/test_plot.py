@@ -127,6 +127,15 @@ def test_png_for_one_run_and_for_two(capsys, runs, tmp_path):
     _check_png(two)
 
 
+def test_the_default_png_goes_into_the_first_runs_folder(capsys, runs, tmp_path, monkeypatch):
+    plain, resumed = runs
+    monkeypatch.chdir(tmp_path)  # not into the folder the command was run from
+    printed = _plot(capsys, str(plain), str(resumed)).strip()
+    assert printed == f"{plain}/plots/curves.png"
+    _check_png(plain / "plots" / "curves.png")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_not_a_run_is_one_sentence(capsys, runs, tmp_path):
     plain, _ = runs
     out = tmp_path / "never.png"

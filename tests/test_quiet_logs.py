@@ -238,3 +238,30 @@ def test_logs_host_and_all_hosts_exclude_each_other():
 
 
 # ---- end to end: a real 2-host local run --------------------------------------------------
+
+
+GLOO = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+
+
+def test_native_chatter_is_left_out_of_the_quiet_view_and_counted() -> None:
+    lines = [f"[host 0] {GLOO}", "[host 0] step: 1", f"[host 1] {GLOO.replace('Rank 0', 'Rank 1')}"]
+    hidden = Hidden()
+    assert quiet_lines(lines, hidden) == ["[host 0] step: 1"]
+    assert hidden.notices == 2 and hidden.lines == 0
+    assert hidden.note() == (
+        "(quiet view: 2 library notice(s) not shown; --all-hosts shows every host's lines)"
+    )
+    q = QuietStream(hosts=2)
+    assert q.feed(f"[host 0] {GLOO}", 0.0) == []
+    assert q.feed("[host 0] step: 1", 0.1) == ["[host 0] step: 1"]
+    assert q.feed("[host 1] step: 1", 0.2) == []
+    assert q.flush() == [] and q.hidden.notices == 1
+    assert q.hidden.note() == (
+        "(quiet view: 1 ordinary line(s) of host 1 and 1 library notice(s) not shown; "
+        "--all-hosts shows every host's lines)"
+    )
+
+
+def test_a_line_that_only_mentions_gloo_is_not_chatter() -> None:
+    failure = "[host 1] JaxRuntimeError: INTERNAL: Gloo all-reduce failed: Connection reset by peer"
+    assert quiet_lines(["[host 0] step: 1", failure]) == ["[host 0] step: 1", failure]

@@ -67,7 +67,8 @@ def test_a_short_run_prints_only_its_own_lines(tmp_path, prepared):
     assert res.returncode == 0, res.stderr
     # stderr: the closing line alone (start-up lines show on a terminal only).
     assert res.stderr.splitlines() == [
-        f"run t stopped: 2 steps, final loss {_final_loss(tmp_path)}; {tmp_path / 'runs' / 't'}"
+        f"run t stopped: step 2 of 20, final loss {_final_loss(tmp_path)}; "
+        f"{tmp_path / 'runs' / 't'}"
     ], res.stderr
 
 

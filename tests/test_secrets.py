@@ -86,7 +86,7 @@ def test_random_token_under_a_secret_like_name():
         ("secret", "hf"),  # a secret reference's name
         ("NCCL_DEBUG", "WARN"),
         ("url", "https://user@example.com/repo.git"),  # user, no password
-        ("url", "postgres://app:$(PGPASSWORD)@db:5432/x"),  # the kubelet expands it
+        ("url", "postgres://app:$(PGPASSWORD)@db:5432/x"),  # a reference, not a credential
         ("url", "postgres://app:${PGPASSWORD}@db:5432/x"),  # the shell expands it
         ("setup", "source /opt/venv/bin/activate && module load cuda/12.4"),
         ("model", "qwen3-30b-a3b-instruct-2507"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tomllib
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -27,15 +26,14 @@ def _print_json(obj: Any) -> None:
 
 def _overrides(pairs: tuple[str, ...]) -> dict:
     """`--set training.target_tokens=2000000` → nested dict; values parse as TOML literals."""
+    from jobspec.load import toml_value
+
     out: dict = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {pair!r}: use --set section.key=value")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw  # a bare word is a string
+        value = toml_value(raw, f"--set {key}")  # a bare word is a string
         cur = out
         *parents, leaf = key.split(".")
         for p in parents:
@@ -143,18 +141,25 @@ def local_cmd(
     from runtime.train.loop import train
 
     result = train(cfg, source, resume=resume, max_steps=max_steps, from_step=from_step)
-    click.echo(closing_line(result.summary, join(cfg.run.output_uri, cfg.run.id)), err=True)
+    run_dir = join(cfg.run.output_uri, cfg.run.id)
+    click.echo(closing_line(result.summary, run_dir, cfg.training.total_steps), err=True)
     sys.exit(result.exit_code)
 
 
-def closing_line(summary: dict, run_dir: str) -> str:
-    """`runtime local`'s last line: how the run ended, where it got to, and where it is."""
-    parts = [f"{summary.get('steps', 0):,} steps"]
-    if summary.get("final_loss") is not None:
-        parts.append(f"final loss {summary['final_loss']:.4g}")
-    if best := summary.get("best_eval"):
-        parts.append(f"best eval {best['name']} {best['loss']:.4g} @ step {best['step']:,}")
-    return f"run {summary.get('run_id')} {summary.get('status')}: {', '.join(parts)}; {run_dir}"
+def closing_line(summary: dict, run_dir: str, total_steps: int | None = None) -> str:
+    """`runtime local`'s last line: how the run ended, where it got to, and where it is (the
+    form `launch submit --wait` ends with too)."""
+    from jobspec.run_status import closing_line as line
+
+    return line(
+        str(summary.get("run_id")),
+        str(summary.get("status")),
+        run_dir,
+        step=summary.get("steps", 0),
+        total_steps=total_steps,
+        loss=summary.get("final_loss"),
+        best_eval=summary.get("best_eval"),
+    )
 
 
 @cli.command("worker")
@@ -296,7 +301,7 @@ def config_check(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
     )
     click.echo(f"  steps            {t.total_steps:,} to reach {t.target_tokens:,} tokens")
     click.echo(
-        f"  mesh             slices={cfg.mesh.slices} data={cfg.mesh.data} expert={cfg.mesh.expert} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} ({cfg.mesh.size} devices)"
+        f"  mesh             slices={cfg.mesh.slices} data={cfg.mesh.data} expert={cfg.mesh.expert} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} ({cfg.mesh.size} device{'' if cfg.mesh.size == 1 else 's'})"
     )
 
 
@@ -413,10 +418,16 @@ INPUT_HELP = (
     default=None,
     help="Progress bar on stderr (bytes, documents, tokens/s, ETA). [default: on a terminal]",
 )
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Prepare into a folder that holds other files than a jaxjob dataset: they are kept, "
+    "a manifest.json there is replaced.",
+)
 @click.option("--json", "as_json", is_flag=True)
 def data_prepare(
     paths, inputs, tokenizer, out, text_field, val_fraction, max_bytes, workers, share, part_size,
-    fmt, progress, as_json,
+    fmt, progress, overwrite, as_json,
 ) -> None:  # fmt: skip
     """Tokenize text/JSONL/parquet files (or rollout JSONL) into token shards and a manifest.json.
 
@@ -427,40 +438,60 @@ def data_prepare(
     each host writes its share of the parts (a share run again skips what it finished), and
     `runtime data merge OUT` writes the manifest once every share is done.
 
+    A non-empty --out that is not a jaxjob dataset is refused unless --overwrite. SIGTERM ends
+    it with one line and exit 42 (run it again: the dataset there, if any, is whole).
+
     Rollout lines: {"prompt_ids" | "prompt", "completion_ids" | "completion",
     "advantage" | "advantages", "old_logprobs"}; see the README's "RL rollouts".
     """
-    from runtime.data.prepare import prepare_dataset, prepare_share
+    from runtime.data.stop import SigtermStop
 
-    inputs = _inputs(inputs, paths)
-    common = dict(
-        val_fraction=val_fraction, format=fmt, progress=progress, text_field=text_field,
-        workers=workers, part_bytes=_size(part_size),
-    )  # fmt: skip
-    which = _share(share)
-    if which is not None:
-        if max_bytes is not None:
-            raise click.BadParameter(
-                "--max-bytes takes documents in input order until the budget is spent, which "
-                "one host cannot know for its share; prepare a sample on one host without --shard",
-                param_hint="--max-bytes",
+    with SigtermStop() as stop:  # first: a SIGTERM from here on is one line and exit 42
+        from runtime.data.prepare import prepare_dataset, prepare_share
+
+        inputs = _inputs(inputs, paths)
+        common = dict(
+            val_fraction=val_fraction, format=fmt, progress=progress, text_field=text_field,
+            workers=workers, part_bytes=_size(part_size), overwrite=overwrite,
+        )  # fmt: skip
+        which = _share(share)
+        if which is None:
+            stop.arm(
+                f"preparing {out}; run it again (a dataset is swapped in only once complete, so "
+                "the one there, if any, is whole)"
             )
-        rep = prepare_share(inputs, tokenizer, out, which, **common)
-        summary = {
-            "plan": rep.plan, "share": f"{which[0]}/{which[1]}", "parts": rep.parts,
-            "written": rep.written, "skipped": rep.skipped,
-        }  # fmt: skip
-        if as_json:
-            _print_json(summary)
+            m = prepare_dataset(inputs, tokenizer, out, max_bytes=max_bytes, **common)
         else:
-            click.echo(
-                f"share {which[0]}/{which[1]} of plan {rep.plan}: wrote {len(rep.written)} of its "
-                f"parts, {len(rep.skipped)} were already done ({rep.parts} parts in all); when "
-                f"every share is done: runtime data merge {out}"
+            if max_bytes is not None:
+                raise click.BadParameter(
+                    "--max-bytes takes documents in input order until the budget is spent, which "
+                    "one host cannot know for its share; prepare a sample on one host without "
+                    "--shard",
+                    param_hint="--max-bytes",
+                )
+            stop.arm(
+                f"preparing share {which[0]}/{which[1]} of {out}; run it again to write the "
+                "parts it had not committed (those it had are kept)"
             )
+            rep = prepare_share(inputs, tokenizer, out, which, **common)
+    if which is None:
+        _report_manifest(m, out, as_json)
+    else:
+        _report_share(rep, which, out, as_json)
+
+
+def _report_share(rep, which: tuple[int, int], out: str, as_json: bool) -> None:
+    if as_json:
+        _print_json(
+            {"plan": rep.plan, "share": f"{which[0]}/{which[1]}", "parts": rep.parts,
+             "written": rep.written, "skipped": rep.skipped}
+        )  # fmt: skip
         return
-    m = prepare_dataset(inputs, tokenizer, out, max_bytes=max_bytes, **common)
-    _report_manifest(m, out, as_json)
+    click.echo(
+        f"share {which[0]}/{which[1]} of plan {rep.plan}: wrote {len(rep.written)} of its "
+        f"parts, {len(rep.skipped)} were already done ({rep.parts} parts in all); when "
+        f"every share is done: runtime data merge {out}"
+    )
 
 
 def _report_manifest(m, out: str, as_json: bool) -> None:
@@ -491,10 +522,17 @@ def data_tokenizer(paths, inputs, vocab_size, out, text_field, max_bytes) -> Non
     The inputs are every --input and every PATH argument (an unquoted glob works as in `data
     prepare`). Its end-of-document token is <|endoftext|>; pass the file to `data prepare
     --tokenizer`."""
+    from jobspec.storage import url_to_fs
     from runtime.data.bpe import train_bpe_on
     from runtime.data.tokenizer import load_tokenizer
 
     inputs = _inputs(inputs, paths)
+    fs, path = url_to_fs(out)
+    if fs.isdir(path):  # said before the training, not after it
+        raise ConfigError(
+            f"--out {out} is a folder; --out names the file to write, e.g. "
+            f"--out {out.rstrip('/')}/tokenizer.json"
+        )
     train_bpe_on(inputs, vocab_size, out, text_field=text_field, max_bytes=max_bytes)
     # A small corpus stops merging before the asked size: say what was made.
     made = load_tokenizer(out).vocab_size
@@ -761,12 +799,22 @@ def export_group() -> None:
 @click.argument("run")
 @CHECKPOINT_OPTION
 @click.option("--out", required=True, help="Directory for config.json and *.safetensors.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Export into a folder jaxjob did not export to: its config.json and model*.safetensors "
+    "(shards, index) are replaced, its other files kept.",
+)
 @click.option("--json", "as_json", is_flag=True)
-def export_hf_cmd(run: str, selector: str, out: str, as_json: bool) -> None:
-    """Export one checkpoint of RUN as a Hugging Face model dir (transformers loads it)."""
+def export_hf_cmd(run: str, selector: str, out: str, overwrite: bool, as_json: bool) -> None:
+    """Export one checkpoint of RUN as a Hugging Face model dir (transformers loads it).
+
+    The folder is written beside --out and swapped in whole: a kill at any moment leaves the old
+    folder or the new one. A non-empty --out that is not an earlier export is refused unless
+    --overwrite."""
     from runtime.commands.hf import export_checkpoint
 
-    result = export_checkpoint(run, selector, out)
+    result = export_checkpoint(run, selector, out, overwrite=overwrite)
     if as_json:
         _print_json(result)
     else:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,8 @@ from runtime.data.loader import train_batches
 from runtime.data.manifest import Manifest
 from runtime.data.mixture import Mixture, open_data
 from runtime.hf.convert import model_config_from_hf
-from runtime.hf.files import DEFAULT_MAX_SHARD_BYTES
+from runtime.hf.export_dir import check_out, replace_folder
+from runtime.hf.files import DEFAULT_MAX_SHARD_BYTES, check_safetensors
 from runtime.model.build import build_model
 from runtime.model.hf_weights import write_hf
 from runtime.model.sharding import offline_mesh
@@ -33,17 +36,29 @@ from runtime.train.state import new_state, state_shardings
 
 
 def export_checkpoint(
-    run: str, selector: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    run: str,
+    selector: str,
+    out_dir: str,
+    *,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> dict[str, Any]:
     """`runtime export hf`: one checkpoint of RUN as an HF model dir (config.json + safetensors).
 
+    The folder is replaced whole (runtime/hf/export_dir.py): a folder holding files jaxjob did
+    not export is refused unless `overwrite`, and even then only its model files are replaced.
     Only parameters are exported: a qwen3_moe or qwen3_next run's router bias
     (router_bias_update_rate > 0) has no HF tensor, so HF routes such an export as if that bias
     were zero.
     """
-    _check_export_dir(out_dir)  # before the restore: a bad --out must not cost a checkpoint read
+    check_out(out_dir, overwrite=overwrite)  # before the restore: a bad --out costs no read
     _, cfg, step, parts, _ = restore_checkpoint(run, selector)
-    files = write_hf(cfg.model, parts.params, out_dir, max_shard_bytes=max_shard_bytes)
+
+    def write(folder: Path) -> list[str]:
+        return write_hf(cfg.model, parts.params, folder, max_shard_bytes=max_shard_bytes)
+
+    record = {"run_id": cfg.run.id, "step": step, "checkpoint": selector, "time": now()}
+    files = replace_folder(out_dir, write, overwrite=overwrite, record=record)
     return {
         "run_id": cfg.run.id,
         "step": step,
@@ -51,20 +66,6 @@ def export_checkpoint(
         "out": out_dir,
         "files": files,
     }
-
-
-def _check_export_dir(out_dir: str) -> None:
-    out = Path(out_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ConfigError(
-            f"--out {out_dir} is an existing file, not a directory; give a new or existing "
-            "directory for config.json and the *.safetensors files"
-        )
-    parent = next((p for p in (out, *out.parents) if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise ConfigError(f"--out {out_dir} is inside the file {parent}; give a directory path")
-    if parent is not None and not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {out_dir} cannot be created: {parent} is not writable")
 
 
 def _import_run_config(path: Path, out: Path, config: str | None):
@@ -98,18 +99,59 @@ def import_to_run(path: str, out_dir: str, *, config: str | None = None) -> dict
     with the HF weights and a fresh optimizer state, so `runtime eval/sample/export` read it.
     With `config` (a run TOML; run.id/output_uri come from `out_dir`) whose data manifest exists,
     the checkpoint also records the data position and fingerprint, so training that config
-    continues from it with `--resume`.
+    continues from it with `--resume`. `out_dir` must be new, empty or a run dir without
+    checkpoints; an import that fails removes the folder it created.
     """
     src = Path(path).expanduser().resolve()
     out = Path(out_dir).expanduser().resolve()
     if not src.is_dir():  # its config.json is read (and checked) as the run config is built
         raise ConfigError(f"{path} is not a directory (expected a local Hugging Face model dir)")
+    _check_import_out(out, out_dir)
     cfg = _import_run_config(src, out, config)
+    check_safetensors(src)  # a truncated file or a missing shard: said before --out is touched
     store = ArtifactStore(str(out))
     if load_index(store).get("latest") is not None:
         raise ConfigError(f"{out} already has checkpoints; import into a new directory")
-    store.check_writable()
+    created = not out.exists()
+    try:
+        manifest = _write_import(cfg, store, src)
+    except BaseException:
+        if created:  # nothing was there: nothing is left
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    return {"run_id": cfg.run.id, "out": store.uri(""), "step": 0, "from": str(src),
+            "resumable": manifest is not None}  # fmt: skip
 
+
+def _check_import_out(out: Path, out_dir: str) -> None:
+    """--out must be new, empty or a jaxjob run dir: an import never writes its manifest.json
+    and config/ over someone else's files."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"--out {out_dir} is an existing file; give a new folder for the run (its name is "
+            "the run id)"
+        )
+    entries = sorted(os.listdir(out)) if out.is_dir() else []
+    if entries and not _is_run_dir(out):
+        shown = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
+        raise ConfigError(
+            f"--out {out_dir} already holds files that are not a jaxjob run ({shown}); import "
+            "into a new or empty folder (its name becomes the run id)"
+        )
+
+
+def _is_run_dir(folder: Path) -> bool:
+    try:
+        doc = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and "run_id" in doc and "layout" in doc
+
+
+def _write_import(cfg: RunConfig, store: ArtifactStore, src: Path) -> Manifest | Mixture | None:
+    """Checkpoint 0 of the HF weights, the run's config and manifest.json; the data manifest
+    the checkpoint's data position was taken from, if any."""
+    store.check_writable()
     mesh = offline_mesh(cfg.mesh)
     parts = build_model(cfg.model, cfg.run.seed, mesh)
     decay_steps = cfg.optimizer.schedule.decay_steps or cfg.training.total_steps
@@ -140,8 +182,7 @@ def import_to_run(path: str, out_dir: str, *, config: str | None = None) -> dict
         run_manifest(cfg, store.uri(""), status="imported", version=version, created=now(),
                      imported_from=str(src)),
     )  # fmt: skip
-    return {"run_id": cfg.run.id, "out": store.uri(""), "step": 0, "from": str(src),
-            "resumable": manifest is not None}  # fmt: skip
+    return manifest
 
 
 def _manifest_if_any(cfg: RunConfig) -> Manifest | Mixture | None:

@@ -37,6 +37,11 @@ Rules (the manifest format is described in manifest.py, the parts in parts.py):
     its own folder (and `out` itself, with any parent folders, when it created them and they
     are empty) and leaves the previous dataset byte-identical; this works the same on gs://,
     which has no rename.
+  * `out` must be new, empty or a jaxjob dataset's folder (its manifest.json says so; shard
+    folders and files an earlier prepare left count as its own): anything else is refused unless
+    `overwrite`, and even then only manifest.json is replaced there (the files beside it are
+    kept). The shard folder of a prepare that was killed (SIGKILL, a lost node) stays until the
+    next prepare commits, which deletes it and says so in one line on stderr.
   * shares (several hosts): `share=(i, n)` writes the parts p with p % n == i into
     `out/shares-<plan id>/` (the same folder on every host: the plan id is a hash of the input
     files and settings), each part committed by its own part.json; a part already committed is
@@ -52,19 +57,19 @@ Rules (the manifest format is described in manifest.py, the parts in parts.py):
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import secrets
+import sys
 from typing import Literal, NamedTuple
-
-import jax
-from jax.experimental import multihost_utils
 
 from jobspec.errors import DataError, JaxjobError, StorageError, StorageFaultError
 from jobspec.run_config import DataConfig
 from jobspec.storage import join, storage_fault, url_to_fs
 from runtime.data.manifest import (
     FIELD_DTYPES,
+    FORMAT,
     Manifest,
     SourceInfo,
     Splits,
@@ -196,15 +201,73 @@ def _remove_created(fs, folders: list[str]) -> None:
             return
 
 
-def _remove_previous(out: str, keep: str) -> None:
-    """After the new manifest is in place: delete the shard folders and loose shard files of
-    earlier prepares (nothing else in `out` is ours to delete)."""
+class _Found(NamedTuple):
+    """What `out` held before a prepare."""
+
+    dataset: bool  # its manifest.json is a jaxjob dataset's
+    folders: frozenset[str]  # the shard folders that manifest names
+    others: list[str]  # entries that are not a prepare's, when it is no dataset
+
+
+def _look(out: str) -> _Found:
+    fs, root = url_to_fs(out)
+    try:
+        if fs.isfile(root):
+            raise DataError(f"--out {out} is a file; give a new or empty folder for the dataset")
+        names = sorted(e.rsplit("/", 1)[-1] for e in _entries(fs, root))
+        manifest = _read_json(fs, join(root, "manifest.json")) if "manifest.json" in names else None
+    except OSError:  # e.g. a path under a file: the first write says why, in one sentence
+        return _Found(False, frozenset(), [])
+    if isinstance(manifest, dict) and manifest.get("format") == FORMAT:
+        return _Found(True, _folders_of(manifest), [])
+    mine = [n for n in names if _SHARD_DIR.match(n) or _OWN_FILE.match(n)]
+    return _Found(False, frozenset(), [n for n in names if n not in mine])
+
+
+def _read_json(fs, path: str) -> object:
+    try:
+        with fs.open(path, "rb") as f:
+            return json.loads(f.read())
+    except ValueError:
+        return None
+
+
+def _folders_of(manifest: dict) -> frozenset[str]:
+    """The top folders of the files a manifest names (its shard folder)."""
+    splits = manifest.get("splits")
+    paths = [split.get("offsets") for split in (splits or {}).values() if isinstance(split, dict)]
+    return frozenset(p.split("/", 1)[0] for p in paths if isinstance(p, str) and "/" in p)
+
+
+def _check_out(out: str, overwrite: bool) -> _Found:
+    """Refuse an `out` that holds someone else's files, unless `overwrite`."""
+    found = _look(out)
+    if found.others and not overwrite:
+        shown = ", ".join(found.others[:3]) + (", …" if len(found.others) > 3 else "")
+        raise DataError(
+            f"{out} already holds files that are not a jaxjob dataset ({shown}); prepare into a "
+            "new or empty folder, or pass --overwrite to `runtime data prepare` to write the "
+            "dataset beside them (they are kept; a manifest.json there is replaced)"
+        )
+    return found
+
+
+def _remove_previous(out: str, keep: str, found: _Found) -> None:
+    """After the new manifest is in place: delete the shard folders of earlier prepares, and the
+    loose shard files of an older layout's dataset (nothing else in `out` is ours to delete).
+    A folder the old manifest did not name was left by a prepare that never finished: said."""
     fs, path = url_to_fs(out)
     for entry in _entries(fs, path):
         name = entry.rsplit("/", 1)[-1]
         if _SHARD_DIR.match(name) and name != keep:
             fs.rm(entry, recursive=True)
-        elif _OWN_FILE.match(name):
+            if name not in found.folders:
+                print(
+                    f"note: removed {join(out, name)}, left by a prepare that did not finish",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        elif _OWN_FILE.match(name) and found.dataset:
             fs.rm_file(entry)
 
 
@@ -280,12 +343,15 @@ def prepare_dataset(
     text_field: str = TEXT_FIELD,
     workers: int | None = None,
     part_bytes: int = PART_BYTES,
+    overwrite: bool = False,
 ) -> Manifest:
     """Tokenize `inputs` into `out` (local folder or gs://…) and return the written manifest.
 
     format="rollouts" reads rollout JSONL (see rollouts.py) into the "rollouts" layout.
     progress: show the bar on stderr (True), never (False), or only on a terminal (None).
-    workers: processes tokenizing parts at once (default: the cores)."""
+    workers: processes tokenizing parts at once (default: the cores).
+    overwrite: prepare into a folder that holds other files than a jaxjob dataset's."""
+    found = _check_out(out, overwrite)
     plan = _plan(
         inputs, tokenizer, val_fraction=val_fraction, max_bytes=max_bytes,
         shard_tokens=shard_tokens, format=format, text_field=text_field, part_bytes=part_bytes,
@@ -309,7 +375,7 @@ def prepare_dataset(
             _raise_write_error(out, e)
         raise
     bar.close(complete=True)
-    _remove_previous(out, keep=folder)
+    _remove_previous(out, folder, found)
     return manifest
 
 
@@ -369,12 +435,14 @@ def prepare_share(
     text_field: str = TEXT_FIELD,
     workers: int | None = None,
     part_bytes: int = PART_BYTES,
+    overwrite: bool = False,
 ) -> ShareReport:
     """Write share i of n: the parts p with p % n == i, into out/shares-<plan id>/. Parts an
     earlier run committed are kept; the manifest is written by merge_shares."""
     i, n = share
     if not (n >= 1 and 0 <= i < n):
         raise DataError(f"share {i}/{n} does not exist; use --shard I/N with 0 <= I < N")
+    _check_out(out, overwrite)
     plan = _plan(
         inputs, tokenizer, val_fraction=val_fraction, max_bytes=None, shard_tokens=shard_tokens,
         format=format, text_field=text_field, part_bytes=part_bytes,
@@ -438,6 +506,7 @@ def merge_shares(out: str, plan: str | None = None) -> Manifest:
             "); pass --plan with the one to merge (the others differ in inputs or settings)"
         )
     folder = shares_folder(chosen.id)
+    found = _look(out)
     results = [read_part(out, folder, chosen, p) for p in range(len(chosen.parts))]
     missing = [p for p, r in enumerate(results) if r is None]
     if missing:
@@ -455,7 +524,7 @@ def merge_shares(out: str, plan: str | None = None) -> Manifest:
         if not isinstance(e, JaxjobError):
             _raise_write_error(out, e)
         raise
-    _remove_previous(out, keep=folder)
+    _remove_previous(out, folder, found)
     return manifest
 
 
@@ -469,6 +538,13 @@ def ensure_manifest(cfg: DataConfig, *, is_writer: bool = True) -> Manifest:
         fs, path = url_to_fs(cfg.manifest)
         if is_writer and not fs.exists(path):
             out_dir = os.path.dirname(cfg.manifest.rstrip("/")) or "."
+            others = _look(out_dir).others
+            if others:
+                raise DataError(
+                    f"data.manifest {cfg.manifest}: its folder already holds files that are not a "
+                    f"jaxjob dataset ({', '.join(others[:3])}); point data.manifest into a new "
+                    "or empty folder, where [data.prepare] makes the dataset"
+                )
             prepare_dataset(
                 cfg.prepare.inputs,
                 cfg.prepare.tokenizer,
@@ -479,6 +555,9 @@ def ensure_manifest(cfg: DataConfig, *, is_writer: bool = True) -> Manifest:
                 text_field=cfg.prepare.text_field,
                 workers=cfg.prepare.workers,
             )
+        import jax  # here only: `runtime data prepare` never needs it
+        from jax.experimental import multihost_utils
+
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("jaxjob:data-prepared")
     return load_manifest(cfg.manifest)

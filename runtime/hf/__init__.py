@@ -1,2 +1,3 @@
-"""Hugging Face interop: safetensors files (`files`), parameter name maps (`names`) and
-parameter <-> HF tensor conversion (`convert`). No commands, no restore."""
+"""Hugging Face interop: safetensors files (`files`), an export's output folder (`export_dir`),
+parameter name maps (`names`) and parameter <-> HF tensor conversion (`convert`). No commands,
+no restore."""

@@ -1,5 +1,9 @@
 """Hugging Face safetensors files: read every tensor of a model dir, write tensors as one file or
-index-listed shards. Names and dtypes pass through untouched; conversion is convert.py's."""
+index-listed shards. Names and dtypes pass through untouched; conversion is convert.py's.
+
+A file that cannot be read (truncated, not safetensors) or an index naming a shard that is not
+there is a ConfigError naming the file; the writer fills a new or empty folder only (replacing
+an existing folder is export_dir.py's)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jobspec.errors import ConfigError
@@ -19,22 +23,65 @@ INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
+def _index_files(path: Path) -> list[Path]:
+    """The shard files the index lists, each checked to be there."""
+    index = path / INDEX
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(
+            f"{index} is not a safetensors index ({type(e).__name__}: {e}); it needs a "
+            '"weight_map" of tensor name -> shard file: copy it again from the model\'s source'
+        ) from None
+    if not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{index}: its weight_map values must be shard file names")
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        raise ConfigError(
+            f"{index} lists the shard {missing[0]}, which is not in {path} ({len(missing)} of "
+            f"{len(names)} shards missing); copy every shard the index lists into {path}"
+        )
+    return [path / n for n in names]
+
+
 def _shard_files(path: Path) -> list[Path]:
     if (path / INDEX).is_file():
-        index = json.loads((path / INDEX).read_text())
-        return [path / f for f in sorted(set(index["weight_map"].values()))]
+        return _index_files(path)
     if (path / SINGLE).is_file():
         return [path / SINGLE]
     raise ConfigError(f"{path}: no {SINGLE} or {INDEX} (only safetensors checkpoints are read)")
 
 
+def _unreadable(f: Path, e: Exception) -> ConfigError:
+    return ConfigError(
+        f"{f} cannot be read as safetensors ({e}); it is truncated or damaged: download or copy "
+        "it again"
+    )
+
+
+def check_safetensors(path: str | Path) -> list[Path]:
+    """The safetensors files of an HF dir, each header read and checked against the file's size
+    (a truncated file fails here), before any tensor is."""
+    files = _shard_files(Path(path))
+    for f in files:
+        try:
+            with safe_open(str(f), framework="numpy") as fh:
+                fh.keys()
+        except (SafetensorError, OSError) as e:
+            raise _unreadable(f, e) from None
+    return files
+
+
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of an HF dir (single file or sharded), by HF name, as stored."""
     out: dict[str, np.ndarray] = {}
-    for f in _shard_files(Path(path)):
-        with safe_open(str(f), framework="numpy") as fh:
-            for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                out[name] = fh.get_tensor(name)
+    for f in check_safetensors(path):
+        try:
+            with safe_open(str(f), framework="numpy") as fh:
+                for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    out[name] = fh.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise _unreadable(f, e) from None
     return out
 
 
@@ -56,10 +103,11 @@ def write_safetensors(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[str]:
-    """config.json + the tensors, sharded above `max_shard_bytes`; the file names written.
+    """config.json + the tensors, sharded above `max_shard_bytes`, into a new or empty folder;
+    the file names written.
 
     Every file gets the mode the umask gives a new file (0644 under umask 022): the safetensors
-    writer goes through a 0600 temp file, and a config.json written over keeps its old mode."""
+    writer goes through a 0600 temp file."""
     files = _write_safetensors(tensors, hf_config, Path(out_dir), max_shard_bytes)
     mode = new_file_mode()
     for f in files:
@@ -71,6 +119,11 @@ def _write_safetensors(
     tensors: dict[str, np.ndarray], hf_config: dict[str, Any], out: Path, max_shard_bytes: int
 ) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):  # never over someone's files: export_dir.py replaces a folder
+        raise ConfigError(
+            f"{out} is not empty; write the safetensors into a new or empty folder "
+            "(`runtime export hf --out` replaces an existing one)"
+        )
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
 
     shards: list[dict[str, np.ndarray]] = [{}]
@@ -81,9 +134,6 @@ def _write_safetensors(
             size = 0
         shards[-1][name] = a
         size += a.nbytes
-    for stale in [*out.glob("model*.safetensors"), out / INDEX]:
-        if stale.exists():
-            os.remove(stale)
     meta = {"format": "pt"}  # transformers refuses safetensors files without it
     if len(shards) == 1:
         save_file(shards[0], str(out / SINGLE), metadata=meta)

@@ -22,6 +22,7 @@ Axis = Literal["step", "tokens"]
 FIGSIZE = (12.0, 8.0)  # inches; at DPI the PNG is 1200 x 800 pixels
 DPI = 100
 EVAL_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+PLOT_FILE = "plots/curves.png"  # the default PNG, inside the first run's folder
 
 
 def _rows(store: ArtifactStore, rel: str) -> list[dict]:

@@ -10,13 +10,14 @@ from jobspec.errors import ConfigError
 def prepare_environment(accelerator: str) -> None:
     """Before jax starts: no chip probing (compile-only devices need no platform), and no
     libtpu lock (compile-only TPU devices touch no chip, so a training process holding the lock
-    on a TPU VM must not stop a plan)."""
+    on a TPU VM must not stop a plan). A target whose compiler is missing is one sentence."""
     from runtime.host import platform
 
     if platform.chosen_here() or not os.environ.get("JAX_PLATFORMS"):
         os.environ["JAX_PLATFORMS"] = "cpu"  # a platform chosen for training is not the plan's
     if is_gpu(accelerator):
         platform.unhide_cuda_plugin()  # GPU targets compile through the CUDA plugin
+    check_compiler(accelerator)  # after the unhide: the plugin it hid is there
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # Compile-only executables cannot be loaded without a client, so a persistent compilation
     # cache only warns on a plan's second run ("PjRtCompiler must be constructed with a Client").
@@ -36,3 +37,28 @@ def is_gpu(accelerator: str) -> bool:
         return lookup(accelerator).kind == "gpu"
     except ConfigError:
         return False  # resolve_target says what is wrong with the name
+
+
+# What compiles for each kind of target, and the extra that installs it (pyproject.toml).
+_COMPILERS = {
+    "tpu": {"libtpu": "libtpu"},
+    "gpu": {
+        "jax_cuda12_plugin": "jax-cuda12-plugin",
+        "jax_plugins.xla_cuda12": "jax-cuda12-pjrt",
+        "nvidia.cudnn": "nvidia-cudnn-cu12",
+    },
+}
+
+
+def check_compiler(accelerator: str) -> None:
+    """One sentence naming the `plan` extra when the target's compiler is not installed (JAX
+    would say it in a 40-line traceback at the first compile)."""
+    from jobspec.catalogue import lookup
+    from jobspec.extras import require
+
+    try:
+        kind = lookup(accelerator).kind
+    except ConfigError:
+        return  # resolve_target says what is wrong with the name
+    if kind in _COMPILERS:
+        require(_COMPILERS[kind], "plan", f"runtime plan for {accelerator}")

@@ -4,6 +4,8 @@
 only once Orbax has committed it (locally the final `<step>/` directory exists; on gs:// the
 step holds `commit_success.txt`), so a crash mid-save never becomes `latest`. Every host calls
 save/restore (Orbax needs all of them); only the writer writes the index, through the store.
+The committed step folders are what the index is rebuilt from when it is missing or damaged
+(a damaged one is kept beside it, `index.json.corrupt-<time>`).
 
 What changes after the commit is never passed in silence: the writer records each committed
 step's content checksums (checksums.py); a listed step whose directory is gone is said once
@@ -13,7 +15,9 @@ of the latest step falls back past damaged ones to the newest intact step, sayin
 Retention is ours, not Orbax's: Orbax deletes old steps in its background thread even when the
 new step failed to commit, and its choice would have to be mirrored into the index. We delete
 through the manager at points every host reaches together (`save`, `wait`, `discard_after`),
-because `CheckpointManager.delete` is a cross-host barrier.
+because `CheckpointManager.delete` is a cross-host barrier. A step folder that is a symbolic
+link is never deleted through (Orbax would empty what it points to), and a step that cannot be
+deleted never costs the save that follows it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import datetime
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -92,28 +97,83 @@ class _Pending:
     summing: Future | None = None
 
 
-def load_index(store: ArtifactStore) -> dict[str, Any]:
-    """index.json as written, without touching Orbax (resume's compatibility check reads this)."""
+def load_index(store: ArtifactStore, *, say: bool = True) -> dict[str, Any]:
+    """index.json as written, without touching Orbax (resume's compatibility check reads this).
+
+    A damaged one (not JSON, or not an index) reads as the index rebuilt from the committed
+    checkpoint folders, as a missing one is on resume. `say`: the writer says so in one warning
+    line naming the command that rebuilds it on disk (a resume runs `repair_index`)."""
+    doc, fault = _written_index(store)
+    if fault is None:
+        return doc
+    rebuilt = _rebuilt_index(store)
+    if say and store.is_writer:
+        _warn(
+            f"{store.uri(CHECKPOINT_INDEX)} is damaged ({fault}); reading the committed "
+            f"checkpoints under {store.uri(CHECKPOINTS)} instead ({_steps_text(rebuilt)}); "
+            "`runtime local CONFIG --resume` rebuilds it (a completed run trains nothing more)"
+        )
+    return rebuilt
+
+
+def repair_index(store: ArtifactStore, best_metric: str = "val_loss") -> None:
+    """On the writer, before the run changes: a damaged index.json is kept beside it as
+    `index.json.corrupt-<time>` and rebuilt from the committed checkpoint folders, in one
+    warning line. Every other host reads the same steps from the same folders meanwhile."""
+    if not store.is_writer:
+        return
+    _, fault = _written_index(store)
+    if fault is None:
+        return
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    kept = f"{CHECKPOINT_INDEX}.corrupt-{stamp}"
+    store.write_bytes(kept, store.read_bytes(CHECKPOINT_INDEX))  # before it is replaced
+    rebuilt = _rebuilt_index(store, best_metric)
+    store.write_json(CHECKPOINT_INDEX, rebuilt)
+    _warn(
+        f"{store.uri(CHECKPOINT_INDEX)} was damaged ({fault}); rebuilt it from the committed "
+        f"checkpoints under {store.uri(CHECKPOINTS)} ({_steps_text(rebuilt)}) and kept the "
+        f"damaged file as {store.uri(kept)}"
+    )
+
+
+def _written_index(store: ArtifactStore) -> tuple[dict[str, Any], str | None]:
+    """(index.json as written, None), or (an empty index, what is wrong with it) when it is
+    damaged. Absent is not damaged: a run before its first commit has none."""
     if not store.exists(CHECKPOINT_INDEX):
-        return _index_doc({}, None)
-    doc = store.read_json(CHECKPOINT_INDEX)
-    fix = "delete it to rebuild it from the committed checkpoints"
+        return _index_doc({}, None), None
+    try:
+        doc = json.loads(store.read_bytes(CHECKPOINT_INDEX))
+    except ValueError as e:  # JSONDecodeError, or bytes that are not text at all
+        return _index_doc({}, None), f"not valid JSON: {e}"
+    fault = _index_fault(doc)
+    return (doc, None) if fault is None else (_index_doc({}, None), fault)
+
+
+def _index_fault(doc: Any) -> str | None:
+    """What makes `doc` no checkpoint index (every reader indexes entries by their step)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("checkpoints"), list):
-        raise CheckpointError(f"{store.uri(CHECKPOINT_INDEX)} is not a checkpoint index; {fix}")
-    # Every reader indexes entries by their step: a bad one is this sentence, not a KeyError.
+        return "not a checkpoint index"
     for i, entry in enumerate(doc["checkpoints"]):
         step = entry.get("step") if isinstance(entry, dict) else None
         if not _is_step(step):
-            raise CheckpointError(
-                f"{store.uri(CHECKPOINT_INDEX)}: checkpoints[{i}] is {entry!r:.80}, not an entry with an "
-                f"integer step; {fix}"
-            )
+            return f"checkpoints[{i}] is {entry!r:.80}, not an entry with an integer step"
     for key in ("latest", "best"):
         if doc.get(key) is not None and not _is_step(doc[key]):
-            raise CheckpointError(
-                f"{store.uri(CHECKPOINT_INDEX)}: {key} is {doc[key]!r:.80}, not a step or null; {fix}"
-            )
-    return doc
+            return f"{key} is {doc[key]!r:.80}, not a step or null"
+    return None
+
+
+def _rebuilt_index(store: ArtifactStore, best_metric: str = "val_loss") -> dict[str, Any]:
+    """The index the committed step folders give, each entry as its checkpoint recorded it (an
+    eval's loss added after the save is not there, so `best` may differ from the lost one)."""
+    entries = reconciled_entries(store, _index_doc({}, None))
+    return _index_doc(entries, _best_step(entries, best_metric))
+
+
+def _steps_text(index: dict[str, Any]) -> str:
+    steps = [str(e["step"]) for e in index["checkpoints"]]
+    return f"steps {', '.join(steps)}" if steps else "none is committed"
 
 
 def _finite_number(value: Any) -> bool:
@@ -132,6 +192,19 @@ def _finite_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
         if math.isfinite(value):
             out[k] = value
     return out
+
+
+def _best_step(entries: dict[int, dict[str, Any]], metric: str) -> int | None:
+    """Lowest `metric`; a run that records it nowhere (no evals) has latest as best, as Orbax's
+    own best_step does. A non-finite or missing value (written null) never wins."""
+    scored = [
+        (float(e["metrics"][metric]), s)
+        for s, e in entries.items()
+        if isinstance(e.get("metrics"), dict) and _finite_number(e["metrics"].get(metric))
+    ]
+    if scored:
+        return min(scored)[1]
+    return max(entries) if entries else None
 
 
 def _is_step(value: Any) -> bool:
@@ -161,7 +234,7 @@ def reconciled_entries(
     """The index entries that agree with disk, without touching Orbax: drop steps that are gone,
     adopt committed steps a crash kept out of the index. Every host computes the same answer
     from the same files; this is what "has the run a checkpoint" means everywhere."""
-    written = load_index(store) if written is None else written
+    written = load_index(store, say=False) if written is None else written
     listed = {int(e["step"]): e for e in written["checkpoints"]}
     on_disk = {
         int(n) for n in store.listdir(CHECKPOINTS) if n.isdigit() and _committed(store, int(n))
@@ -172,6 +245,16 @@ def reconciled_entries(
         if entry is not None:
             entries[step] = entry
     return entries
+
+
+def _check(store: ArtifactStore, step: int, items: tuple[str, ...] | None) -> checksums.Finding:
+    # gs:// objects by the MD5 GCS keeps (nothing downloaded); local files by content.
+    return checksums.check(store, checkpoint_dir(step), content=not store.remote, items=items)
+
+
+def step_damage(store: ArtifactStore, step: int) -> str | None:
+    """What `CheckpointService.damage` says of the files a resume reads, without Orbax."""
+    return _check(store, step, RESUME_ITEMS).damage
 
 
 class CheckpointService:
@@ -229,7 +312,13 @@ class CheckpointService:
         self._async = async_save
         self._summer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-checksums")
         self._failed_step: int | None = None  # the step whose save failed, if one did
-        written = load_index(store)
+        self._undeletable = False  # a step that had to be deleted could not be
+        # A damaged index: rebuilt on disk by a service that may write, in memory (and said,
+        # naming the command that rebuilds it) by a read-only one.
+        if not read_only:
+            repair_index(store, best_metric)
+        written = load_index(store, say=read_only)
+        self._kept_links: set[int] = set()  # linked steps retention kept (said once each)
         self._entries = reconciled_entries(store, written)
         # Listed steps whose committed directory is gone (deleted, lost with a disk).
         self._gone = sorted({int(e["step"]) for e in written["checkpoints"]} - self._entries.keys())
@@ -278,17 +367,7 @@ class CheckpointService:
         return _committed(self.store, step)
 
     def _best(self) -> int | None:
-        """Lowest `best_metric`; a run that records it nowhere (no evals) has latest as best,
-        as Orbax's own best_step does. A non-finite or missing value (written null) never wins."""
-        scored = [
-            (float(e["metrics"][self.best_metric]), s)
-            for s, e in self._entries.items()
-            if isinstance(e.get("metrics"), dict)
-            and _finite_number(e["metrics"].get(self.best_metric))
-        ]
-        if scored:
-            return min(scored)[1]
-        return self.latest()
+        return _best_step(self._entries, self.best_metric)
 
     def read_index(self) -> dict[str, Any]:
         return _index_doc(self._entries, self._best())
@@ -366,7 +445,15 @@ class CheckpointService:
         if self.read_only:
             raise RuntimeError(f"checkpoint service on {self.directory} is read-only")
         t0 = time.perf_counter()
-        self._settle()
+        self._wait_orbax()
+        self.poll(block=True)
+        # Retention makes room first, but a step it cannot delete never costs this save: that
+        # error is raised once the save has started (the failure path then commits it).
+        refused: UndeletableCheckpointError | None = None
+        try:
+            self._retain()
+        except UndeletableCheckpointError as e:
+            refused = e
         # The part of this call spent on the previous save (its write, checksums and retention).
         self.waited_s = time.perf_counter() - t0
         if step in self._entries:
@@ -400,6 +487,8 @@ class CheckpointService:
         # A synchronous save is committed already, and is indexed (checksums and all) before
         # this returns; an async one is indexed by a later poll.
         self.poll(block=not self._async)
+        if refused is not None:
+            raise refused
         return True
 
     def newest(self) -> int | None:
@@ -518,9 +607,29 @@ class CheckpointService:
         best = self._best()
         if best is not None:
             keep.add(best)
-        self._delete([s for s in steps if s not in keep])
+        self._delete([s for s in steps if s not in keep], retire=True)
 
-    def _delete(self, steps: list[int]) -> None:
+    def _delete(self, steps: list[int], *, retire: bool = False) -> None:
+        """Delete `steps`, the index first. A step folder that is a symbolic link is never
+        deleted through (Orbax would empty what it points to): retention (`retire`) keeps it,
+        said once; anything else is refused, one sentence, before a thing changes."""
+        links = {s: t for s in steps if (t := _link_target(self.store, s)) is not None}
+        if links and not retire:
+            s = min(links)
+            raise CheckpointError(
+                f"{self.directory}/{s} is a symbolic link to {links[s]}, and checkpoints are "
+                "never deleted through a link; remove the link yourself (what it points to is "
+                "kept) and run again"
+            )
+        for s in sorted(links.keys() - self._kept_links):
+            self._kept_links.add(s)
+            if self.store.is_writer:
+                _warn(
+                    f"checkpoint {s} under {self.directory} is a symbolic link to {links[s]}; "
+                    f"it is kept past checkpoint.keep = {self.keep}, as checkpoints are never "
+                    "deleted through a link (remove the link yourself once it is not needed)"
+                )
+        steps = [s for s in steps if s not in links]
         if not steps:
             return
         for s in steps:
@@ -529,10 +638,20 @@ class CheckpointService:
         self._write_index()  # index first: a crash between leaves an orphan, never a dangling entry
         known = set(self._mgr.all_steps())
         for s in steps:
-            if s in known:
-                self._mgr.delete(s)
-            elif self.store.is_writer:
-                self.store.delete(checkpoint_dir(s), recursive=True)
+            try:
+                if s in known:
+                    self._mgr.delete(s)
+                elif self.store.is_writer:
+                    self.store.delete(checkpoint_dir(s), recursive=True)
+            except (OSError, StorageError) as e:
+                self._raise_if_fault(s, e, "could not be deleted")
+                self._undeletable = True
+                # Still on disk, so the next start indexes it again: nothing is lost.
+                raise UndeletableCheckpointError(
+                    f"checkpoint {s} under {self.directory} could not be deleted "
+                    f"({short_cause(e)}); every other checkpoint is kept: fix what the cause "
+                    f"names under {self.directory}/{s} (or delete it yourself) and run again"
+                ) from e
 
     def discard_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (a run resumed from an older step branches off
@@ -550,9 +669,14 @@ class CheckpointService:
 
     def close(self, *, after_failure: bool = False) -> None:
         """Finish started saves and release Orbax. After a failure (the caller's, or a save
-        that already failed) nothing here may hide the first error: it is logged instead."""
+        that already failed) nothing here may hide the first error: it is logged instead; after
+        a step that could not be deleted, the saves are finished without trying again."""
         try:
-            self.wait()
+            if self._undeletable:
+                self._wait_orbax()
+                self.poll(block=True)
+            else:
+                self.wait()
         except Exception as e:
             if not (after_failure or self._failed_step is not None):
                 with contextlib.suppress(Exception):
@@ -615,10 +739,7 @@ class CheckpointService:
         if step in self._gone:
             return f"{self.directory}/{step} is gone"
         if (step, items) not in self._checked:
-            # gs:// objects by the MD5 GCS keeps (nothing downloaded); local files by content.
-            self._checked[step, items] = checksums.check(
-                self.store, checkpoint_dir(step), content=not self.store.remote, items=items
-            )
+            self._checked[step, items] = _check(self.store, step, items)
         return self._checked[step, items].damage
 
     def _forget_checks(self, step: int) -> None:
@@ -777,6 +898,20 @@ def _nonfinite_leaf(tree: Any) -> str | None:
 
 class _ItemError(Exception):
     """verify's finding for one item of a step, already one line."""
+
+
+class UndeletableCheckpointError(CheckpointError):
+    """A step that retention (checkpoint.keep) or a discard had to delete could not be deleted
+    (no permission): exit 2, the sentence names the step and the cause; every step stays."""
+
+
+def _link_target(store: ArtifactStore, step: int) -> str | None:
+    """Where the local step folder points when it is a symbolic link (gs:// has none). Every
+    host of a job sees the same run directory, so all decide alike."""
+    if store.remote:
+        return None
+    path = store._path(checkpoint_dir(step))
+    return os.path.realpath(path) if os.path.islink(path) else None
 
 
 class UnreadableCheckpointError(CheckpointError):

@@ -28,7 +28,8 @@ def inspect_run(run: str) -> dict[str, Any]:
     events = store.read_jsonl(EVENTS) if store.exists(EVENTS) else []
     # A failure recorded after a `running` manifest that a full disk kept from being replaced.
     manifest = effective_manifest(store.read_json(MANIFEST), events)
-    from runtime.run.checkpoint import load_index  # checks every entry: one sentence if bad
+    # A damaged index reads as the committed folders say, with one warning line.
+    from runtime.run.checkpoint import load_index
 
     index = load_index(store)
     summary = store.read_json(SUMMARY) if store.exists(SUMMARY) else None

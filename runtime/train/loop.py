@@ -19,7 +19,7 @@ from jobspec.errors import DivergedError
 from jobspec.exit_codes import EXIT_RESTARTABLE
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
-from jobspec.run_dir import EventKind
+from jobspec.run_dir import SUMMARY, EventKind
 from jobspec.run_store import ArtifactStore
 from jobspec.storage import configure_gcs_env, join
 from runtime.data.eval_rows import check_evals
@@ -44,7 +44,7 @@ from runtime.train.evaluate import Evaluator
 from runtime.train.metrics import NONFINITE_KEYS, TrainMetrics
 from runtime.train.optim import build_optimizer
 from runtime.train.program import AheadStep, compile_ahead, train_program
-from runtime.train.start import initial_state, open_run
+from runtime.train.start import initial_state, nothing_to_train, open_run
 from runtime.train.state import TrainState, model_state_record
 
 
@@ -200,6 +200,11 @@ def _train(
     say(f"opening run {cfg.run.id} in {cfg.run.output_uri}")
     store, resume = open_run(cfg, resume, writer_index)
     manifest, small_evals = _open_data(cfg, store, ledger, say)
+    if resume:  # a config that resume would refuse is refused even with nothing to train
+        done = nothing_to_train(cfg, store, from_step, run_fingerprint(cfg, manifest), reshard)
+        if done is not None:
+            emit(done)  # before the model or Orbax: nothing of the run changes
+            return _as_recorded(cfg, store)
     mesh = build_mesh(cfg.mesh)
     ckpt = CheckpointService(
         store,
@@ -237,6 +242,14 @@ def _train(
     )
     watchdog.start()
     return _run_to_end(run, stop, watchdog, max_steps, emit, t_start)
+
+
+def _as_recorded(cfg: RunConfig, store: ArtifactStore) -> TrainResult:
+    """A completed run resumed with nothing to train: its own final summary, exit 0."""
+    summary = store.read_json(SUMMARY) if store.exists(SUMMARY) else {}
+    summary = {"run_id": cfg.run.id, "status": "completed", **summary}
+    summary.setdefault("steps", cfg.training.total_steps)
+    return TrainResult("completed", 0, summary)
 
 
 def _open_data(cfg: RunConfig, store: ArtifactStore, ledger: TimeLedger, say: StartupLog):

@@ -12,7 +12,7 @@ import numpy as np
 
 from jobspec.errors import CheckpointError, ConfigError
 from jobspec.run_config import RunConfig
-from jobspec.run_dir import CHECKPOINTS
+from jobspec.run_dir import CHECKPOINTS, MANIFEST
 from jobspec.run_store import ArtifactStore
 from jobspec.storage import RetryPolicy, join, use_policy
 from runtime.host import boot
@@ -21,7 +21,13 @@ from runtime.observe import ledger as buckets
 from runtime.observe.ledger import TimeLedger
 from runtime.observe.startup_log import StartupLog
 from runtime.run import artifacts, owner
-from runtime.run.checkpoint import CheckpointService, UnreadableCheckpointError, reconciled_entries
+from runtime.run.checkpoint import (
+    CheckpointService,
+    UnreadableCheckpointError,
+    reconciled_entries,
+    repair_index,
+    step_damage,
+)
 from runtime.run.compat import check_compatible
 from runtime.train.optim import build_optimizer
 from runtime.train.state import (
@@ -70,6 +76,8 @@ def open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[Art
         timeout_s=cfg.runtime.boot_timeout_s,
         retry=retry,
     )
+    if resume:  # a damaged index is rebuilt (and kept beside), as a missing one is
+        repair_index(store)
     # The index as disk has it (a crash between Orbax's commit and the index write still counts).
     has_ckpt = bool(reconciled_entries(store))
     if resume == "auto":  # a restarted attempt continues; a first attempt starts
@@ -85,6 +93,53 @@ def open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[Art
             "run without --resume to start the run"
         )
     return store, bool(resume)
+
+
+def nothing_to_train(
+    cfg: RunConfig, store: ArtifactStore, from_step: int | None, fp: dict, reshard: bool
+) -> str | None:
+    """The line a resume with nothing to train says instead of training (it then writes
+    nothing): its latest checkpoint, intact, is the last step of a run that completed and the
+    config is one that checkpoint's resume accepts (`fp`: its fingerprint). A resume past the
+    last step (target_tokens lowered) is refused; None: train as usual."""
+    entries = reconciled_entries(store)
+    if not entries:
+        return None
+    latest, last = max(entries), cfg.training.total_steps
+    if from_step is not None and from_step in entries and from_step > last:
+        raise past_the_end(cfg, from_step, entries, "--from-step")
+    if (from_step is not None and from_step != latest) or latest < last:
+        return None
+    if step_damage(store, latest) is not None:
+        return None  # the resume says so and falls back to an intact step
+    if latest > last:
+        raise past_the_end(cfg, latest, entries, "its latest checkpoint")
+    manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
+    if manifest.get("status") != "completed":
+        return None  # e.g. stopped by a signal at its last step: the final evals are still due
+    check_compatible(dict(entries[latest].get("fingerprint") or {}), fp, step=latest,
+                     reshard=reshard)  # fmt: skip
+    return (
+        f"run {cfg.run.id} completed step {last} already (training.target_tokens = "
+        f"{cfg.training.target_tokens:,}): nothing to train; raise target_tokens to continue it"
+    )
+
+
+def past_the_end(cfg: RunConfig, step: int, steps, what: str) -> ConfigError:
+    """The sentence for a resume from a step past the run's last (target_tokens lowered)."""
+    t = cfg.training
+    earlier = [s for s in sorted(steps) if s <= t.total_steps]
+    way = (
+        f"branch off an earlier checkpoint with --resume --from-step {earlier[-1]} (at or "
+        f"before step {t.total_steps}: {', '.join(map(str, earlier))})"
+        if earlier
+        else f"start a new run.id (no checkpoint is at or before step {t.total_steps})"
+    )
+    return ConfigError(
+        f"run {cfg.run.id!r} cannot resume from step {step} ({what}): training.target_tokens = "
+        f"{t.target_tokens:,} ends it at step {t.total_steps}, so nothing was trained; raise "
+        f"target_tokens past {step * t.tokens_per_step:,} to continue it, or {way}"
+    )
 
 
 def initial_state(
@@ -117,6 +172,8 @@ def initial_state(
         return InitialState(state, shardings, 0, decay_steps, None, 0)
     # The newest intact step: a damaged newer one is said, recorded and discarded first.
     start_step = ckpt.resume_step(from_step)
+    if start_step > total_steps:  # the intact steps left after damaged ones are past the end
+        raise past_the_end(cfg, start_step, ckpt.steps(), "the newest intact checkpoint")
     if say is not None:
         say(f"restoring checkpoint {start_step}")
     # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.

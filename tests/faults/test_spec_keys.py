@@ -145,7 +145,8 @@ def test_local_hosts_are_bounded(text, field, command, folder):
     # A mesh that matches, so the process count is the only thing wrong (20,000 processes made a
     # 16 MB hosts.json before anything checked it).
     big = tiny_config("unused/manifest.json", str(folder / "runs"), run_id="x",
-                      mesh={"data": 20000}, training={"global_batch_size": 20000})  # fmt: skip
+                      mesh={"data": 20000},
+                      training={"global_batch_size": 20000, "target_tokens": 20000 * 16})  # fmt: skip
     write_config(folder / "big.toml", big)
     job = folder / "job.yaml"
     job.write_text(text)

@@ -6,7 +6,6 @@ cluster is contacted, so `launch render --backend k8s` works without it.
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobspec.errors import ConfigError
 from jobspec.run_config import check_dns_label
-from jobspec.run_dir import LOGS, SUMMARY, parse_host_log
+from jobspec.run_dir import LOGS, MANIFEST, parse_host_log
 from launch.backend import Handle, RenderedFile, Submission, tail_lines
 from launch.backends.k8s.render import (
     COMPLETION_INDEX_KEY,
@@ -29,6 +28,7 @@ from launch.backends.k8s.render import (
     render_manifests,
     to_yaml,
 )
+from launch.state import utc_now
 
 if TYPE_CHECKING:
     from kubernetes import client as k8s_client
@@ -96,6 +96,7 @@ class K8sBackend:
 
         m = self.manifests(sub)  # a ConfigError before anything reaches the cluster
         c, context = self._client(self.context)
+        asked = utc_now()  # this machine's clock: the API server's time is kept when it says it
         ns = m.jobset["metadata"]["namespace"]
         cm_name = m.configmap["metadata"]["name"]
         c.create_configmap(ns, m.configmap)
@@ -111,16 +112,19 @@ class K8sBackend:
             c.set_owner(ns, cm_name, created)
         except (K8sError, KeyError):
             pass  # only garbage collection is lost: cancel deletes the ConfigMap itself
-        return Handle(
-            self.name,
-            {
-                "namespace": ns,
-                "jobset": m.jobset["metadata"]["name"],
-                "context": context,
-                "output_uri": sub.output_uri,
-                "run_id": sub.run_id,
-            },
-        )
+        meta = created.get("metadata") or {}
+        data = {
+            "namespace": ns,
+            "jobset": m.jobset["metadata"]["name"],
+            "context": context,
+            "output_uri": sub.output_uri,
+            "run_id": sub.run_id,
+            # This submission's JobSet (a later one of the same name is another submission's)
+            # and when it was made (what the run wrote before is an earlier submission's).
+            "uid": meta.get("uid"),
+            "submitted": meta.get("creationTimestamp") or asked,
+        }
+        return Handle(self.name, data)
 
     # ---- status -------------------------------------------------------------------------------
 
@@ -128,8 +132,8 @@ class K8sBackend:
         d = handle.data
         c = self._client_for(handle)
         js = c.get_jobset(d["namespace"], d["jobset"])
-        if js is None:
-            return status_without_jobset(d)
+        if js is None or not _same_submission(js, d):
+            return status_without_jobset(d, replaced=js is not None)
         selector = f"{JOBSET_NAME_KEY}={d['jobset']}"
         pods = c.list_pods(d["namespace"], selector)
         jobs = c.list_jobs(d["namespace"], selector) if _conditions(js).get("Failed") else []
@@ -138,7 +142,13 @@ class K8sBackend:
     # ---- logs ---------------------------------------------------------------------------------
 
     def logs(
-        self, handle: Handle, *, host: int | None, follow: bool, tail: int | None
+        self,
+        handle: Handle,
+        *,
+        host: int | None,
+        follow: bool,
+        tail: int | None,
+        since_submission: bool = False,  # a JobSet's pods are its submission's already
     ) -> Iterator[str]:
         d = handle.data
         c = self._client_for(handle)
@@ -319,25 +329,50 @@ def summarise(
     return {"state": state, "detail": detail, **out}
 
 
-def status_without_jobset(d: dict[str, Any]) -> dict[str, Any]:
-    """The JobSet is gone (cancelled or past its TTL): the run's own summary says how it ended."""
-    from jobspec.storage import join, url_to_fs
+def _same_submission(js: dict[str, Any], d: dict[str, Any]) -> bool:
+    """Whether JobSet `js` is the one the handle `d` created (a handle from before uids were
+    kept: taken as is)."""
+    uid = (js.get("metadata") or {}).get("uid")
+    return d.get("uid") is None or uid is None or uid == d["uid"]
 
+
+# How the runtime's manifest status reads as a run's end.
+_ENDED = {"completed": "succeeded", "interrupted": "cancelled", "failed": "failed",
+          "diverged": "failed"}  # fmt: skip
+
+
+def status_without_jobset(d: dict[str, Any], replaced: bool = False) -> dict[str, Any]:
+    """This submission's JobSet is gone (cancelled, past its TTL, or `replaced` by a later
+    submission's of the same name): the run's manifest says how it ended, if this submission
+    wrote it. `ended`: no later look will say more."""
+    from jobspec.storage import join, url_to_fs
+    from launch.progress import ManifestError, earlier_submission, read_manifest
+
+    name = f"JobSet {d['namespace']}/{d['jobset']}"
     gone = (
-        f"JobSet {d['namespace']}/{d['jobset']} no longer exists (deleted, or removed by its TTL)"
+        f"{name} is another submission's now (this one's, uid {d.get('uid')}, was deleted)"
+        if replaced
+        else f"{name} no longer exists (deleted, or removed by its TTL)"
     )
-    uri = join(d["output_uri"], d["run_id"], SUMMARY)
+    uri = join(d["output_uri"], d["run_id"], MANIFEST)
     try:
         fs, path = url_to_fs(uri)
-        summary = json.loads(fs.cat_file(path)) if fs.exists(path) else None
-    except Exception as e:  # storage trouble must not hide what is known
+        manifest = read_manifest(fs, path, uri)
+    except ManifestError as e:  # it names the file and what is wrong with it
+        return {"state": "unknown", "detail": f"{gone}; {e}"}
+    except Exception as e:  # storage trouble must not hide what is known; it may pass
         return {"state": "unknown", "detail": f"{gone}; reading {uri} failed: {e}"}
-    if summary is None:
-        return {"state": "unknown", "detail": f"{gone}, and the run wrote no {uri}"}
-    state = {"completed": "succeeded", "interrupted": "cancelled"}.get(summary.get("status"))
+    if manifest is None:
+        return {"state": "unknown", "detail": f"{gone}, and the run wrote no {uri}", "ended": True}
+    if earlier_submission(manifest, d.get("submitted")):
+        return {"state": "unknown", "detail": f"{gone}, and it wrote nothing: {uri} is an "
+                f"earlier submission's (written {manifest.get('updated')})",
+                "ended": True}  # fmt: skip
+    status = manifest.get("status")
     return {
-        "state": state or "unknown",
-        "detail": f"{gone}; {uri} says {summary.get('status')} at step {summary.get('steps')}",
+        "state": _ENDED.get(str(status), "unknown"),
+        "detail": f"{gone}; {uri} says {status} at step {manifest.get('steps', 0)}",
+        "ended": True,  # nothing is left to change it: `--wait` stops here
     }
 
 

@@ -12,11 +12,14 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
-from urllib3.exceptions import HTTPError
-
 from jobspec.errors import JaxjobError
+from jobspec.extras import require
+
+# Rendering needs no client; talking to a cluster does (the `k8s` extra): one sentence if absent.
+require({"kubernetes": "kubernetes"}, "k8s", "talking to a cluster (--backend k8s)")
+from kubernetes import client, config  # noqa: E402
+from kubernetes.client.exceptions import ApiException  # noqa: E402
+from urllib3.exceptions import HTTPError  # noqa: E402
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 # The client leaves Content-Type unset on POST/DELETE bodies (the server assumes JSON); say it.

@@ -64,6 +64,19 @@ PROCESS_ID_SCRIPT = (
     ' + ${JOB_COMPLETION_INDEX:?} )); exec "$@"'
 )
 
+# The kubelet expands `$(NAME)` in env values, commands and arguments to another variable's value
+# (the ones it cannot resolve stay as written) and turns `$$` into `$`. Nothing rendered here
+# relies on that (the pod's own values come from valueFrom, and sh computes the process id), so
+# every value, command and argument is written to reach the container as it reads here.
+_KUBELET_DOLLAR = re.compile(r"\$(?=[$(])")
+
+
+def literal(text: str) -> str:
+    """`text` escaped for the kubelet: each `$` that would start `$(NAME)` or `$$` doubled, so
+    the container gets `text` unchanged (`pa$(HOME)ss` is written `pa$$(HOME)ss`)."""
+    return _KUBELET_DOLLAR.sub("$$", text)
+
+
 # podFailurePolicy rule indexes; the Job controller writes them into the failure message, which
 # is how the JobSet rules below tell a preemption from a restartable exit (both have reason
 # PodFailurePolicy).
@@ -191,7 +204,7 @@ def _env(sub: Submission, port: int) -> list[dict[str, Any]]:
             env.append({"name": name, "valueFrom": ref})
         else:
             env.append({"name": name, "value": value})
-    return env
+    return [{**e, "value": literal(e["value"])} if "value" in e else e for e in env]
 
 
 def _writable_env() -> list[dict[str, Any]]:
@@ -265,8 +278,8 @@ def _container(sub: Submission, port: int) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": sub.spec.image,
-        "command": ["sh", "-c", PROCESS_ID_SCRIPT, "sh"],
-        "args": ["runtime", "worker", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+        "command": [literal(w) for w in ("sh", "-c", PROCESS_ID_SCRIPT, "sh")],
+        "args": [literal(w) for w in ("runtime", "worker", f"{CONFIG_DIR}/{CONFIG_FILE}")],
         "env": _env(sub, port),
         "ports": [{"name": "coordinator", "containerPort": port, "protocol": "TCP"}],
     }

@@ -39,6 +39,14 @@ class LocalBackend:
         submit.cancel(handle)
 
     def logs(
-        self, handle: Handle, *, host: int | None, follow: bool, tail: int | None
+        self,
+        handle: Handle,
+        *,
+        host: int | None,
+        follow: bool,
+        tail: int | None,
+        since_submission: bool = False,
     ) -> Iterator[str]:
-        return status.logs(handle, host=host, follow=follow, tail=tail)
+        return status.logs(
+            handle, host=host, follow=follow, tail=tail, since_submission=since_submission
+        )

@@ -43,18 +43,31 @@ def _not_started(run_dir: Path, pid: int | None, alive: bool, cancel_asked: bool
     }
 
 
+def own_state(handle: Handle) -> dict[str, Any] | None:
+    """supervisor.json when it is of the handle's submission, else None: a run resubmitted under
+    its run_id keeps its folder, and the file there is then another submission's (a handle from
+    before submission ids takes the file as it is)."""
+    st = read_json(Path(handle.data["run_dir"]) / STATE_FILE)
+    wanted = handle.data.get("submission_id")
+    if st is not None and wanted is not None and st.get("submission_id") != wanted:
+        return None
+    return st
+
+
 def status(handle: Handle) -> dict[str, Any]:
     """The run's state, from supervisor.json and whether the supervisor still lives."""
     run_dir = Path(handle.data["run_dir"])
-    pid = handle.data.get("pid")
-    st = read_json(run_dir / STATE_FILE)
+    st = own_state(handle)
     cancel_asked = (run_dir / CANCEL_FILE).exists()
     if st is None:
+        pid = handle.data.get("pid")
         return _not_started(run_dir, pid, is_supervisor(pid), cancel_asked)
+    # None until the supervisor's first write: submit wrote the state, the handle has the pid.
+    pid = st.get("pid") or handle.data.get("pid")
     out = {
         "state": st["state"],
         "detail": st["detail"],
-        "pid": st["pid"],
+        "pid": pid,
         "attempt": st["attempt"],
         "restarts": st["restarts"],
         "max_restarts": st["max_restarts"],
@@ -66,7 +79,7 @@ def status(handle: Handle) -> dict[str, Any]:
         out["state"] = "pending"
     elif st["state"] == "stopping":
         out["state"] = "running"
-    if out["state"] not in TERMINAL and not is_supervisor(st["pid"]):
+    if out["state"] not in TERMINAL and not is_supervisor(pid):
         if alive := live_hosts(st):  # what it left still trains: not failed, and cancellable
             note = (
                 "`launch cancel` is stopping them"
@@ -75,23 +88,23 @@ def status(handle: Handle) -> dict[str, Any]:
             )
             out["state"], out["supervisor_gone"] = "running", True
             out["detail"] = (
-                f"the supervisor (pid {st['pid']}) is gone; {describe(alive)} "
+                f"the supervisor (pid {pid}) is gone; {describe(alive)} "
                 f"{'is' if len(alive) == 1 else 'are'} still running: {note}"
             )
             return out
         out["state"] = "cancelled" if cancel_asked else "failed"
         out["detail"] = (
-            f"the supervisor (pid {st['pid']}) is gone while the run was {st['state']}; "
+            f"the supervisor (pid {pid}) is gone while the run was {st['state']}; "
             f"see {run_dir / SUPERVISOR_LOG}"
         )
     return out
 
 
-def _attempt_dirs(log_dir: Path) -> list[tuple[int, Path]]:
+def _attempt_dirs(log_dir: Path, first: int = 0) -> list[tuple[int, Path]]:
     found = []
     for d in log_dir.glob("attempt-*"):
         suffix = d.name.removeprefix("attempt-")
-        if suffix.isdigit():
+        if suffix.isdigit() and int(suffix) >= first:
             found.append((int(suffix), d))
     return sorted(found)
 
@@ -105,18 +118,23 @@ def _host_files(attempt_dir: Path, host: int | None) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def logs(handle: Handle, *, host: int | None, follow: bool, tail: int | None) -> Iterator[str]:
-    """Every attempt's host log lines, prefixed `[host N] `; with follow, until the run ends."""
+def logs(
+    handle: Handle, *, host: int | None, follow: bool, tail: int | None, since_submission=False
+) -> Iterator[str]:
+    """Every attempt's host log lines, prefixed `[host N] `; with follow, until the run ends.
+    `since_submission`: only the attempts this handle's submission started (not those of an
+    earlier submission of the same run_id)."""
     log_dir = Path(handle.data["run_dir"]) / "logs"
+    first = handle.data.get("first_attempt", 0) if since_submission else 0
     if not follow:
-        yield from _read_all(log_dir, host, tail)
+        yield from _read_all(log_dir, host, tail, first)
         return
-    yield from _follow(handle, log_dir, host, tail)
+    yield from _follow(handle, log_dir, host, tail, first)
 
 
-def _read_all(log_dir: Path, host: int | None, tail: int | None) -> Iterator[str]:
+def _read_all(log_dir: Path, host: int | None, tail: int | None, first: int = 0) -> Iterator[str]:
     lines: list[tuple[int, str]] = []  # (host, line) in attempt order
-    for _, d in _attempt_dirs(log_dir):
+    for _, d in _attempt_dirs(log_dir, first):
         for i, f in _host_files(d, host):
             lines += [(i, ln) for ln in f.read_text(errors="replace").splitlines()]
     if tail is not None:
@@ -139,19 +157,22 @@ def _new_data(f: Path, offsets: dict[Path, int]) -> bytes:
     return data
 
 
-def _follow(handle: Handle, log_dir: Path, host: int | None, tail: int | None) -> Iterator[str]:
-    """Stream new lines of every attempt's host logs until the run has ended."""
+def _follow(
+    handle: Handle, log_dir: Path, host: int | None, tail: int | None, first: int
+) -> Iterator[str]:
+    """Stream new lines of every attempt's host logs (from attempt `first`) until the run has
+    ended."""
     offsets: dict[Path, int] = {}
     partial: dict[Path, bytes] = {}
     if tail is not None:  # start from the last K lines, then follow
-        yield from _read_all(log_dir, host, tail)
-        for _, d in _attempt_dirs(log_dir):
+        yield from _read_all(log_dir, host, tail, first)
+        for _, d in _attempt_dirs(log_dir, first):
             for _, f in _host_files(d, host):
                 offsets[f] = f.stat().st_size
     while True:
         ended = status(handle)["state"] in TERMINAL  # before reading: no line is lost
         got = False
-        for _, d in _attempt_dirs(log_dir):
+        for _, d in _attempt_dirs(log_dir, first):
             for i, f in _host_files(d, host):
                 data = _new_data(f, offsets)
                 if not data:

@@ -51,7 +51,7 @@ CANCEL_FILE = "cancel-requested"  # written before the SIGTERM, so a cancel is n
 SUPERVISOR_LOG = "supervisor.log"
 COORDINATOR_PLACEHOLDER = "127.0.0.1:<free port chosen at each attempt>"
 ATTEMPT_PLACEHOLDER = "<attempt>"
-SUBMISSION_PLACEHOLDER = "local-<chosen by the supervisor at submit>"
+SUBMISSION_PLACEHOLDER = "local-<chosen at each submit>"
 POLL_S = 0.1
 
 # Variables of the submitting shell the hosts must not inherit: an outer job's contract would
@@ -116,8 +116,11 @@ class Lost:
 @dataclass
 class State:
     run_id: str
-    pid: int
+    pid: int | None  # None: the state submit wrote before it started the supervisor
     max_restarts: int
+    # The submission this state is of (submit chooses it; the handle keeps it): a resubmitted
+    # run's status must never read an earlier submission's state as its own.
+    submission_id: str | None = None
     pgid: int | None = None  # the process group of the supervisor, its hosts and their children
     state: str = (
         "starting"  # starting | running | stopping | restarting | succeeded | failed | cancelled
@@ -131,6 +134,36 @@ class State:
     started: str = field(default_factory=utc_now)
     updated: str = ""
     ended: str | None = None
+
+
+def new_submission_id() -> str:
+    """JAXJOB_SUBMISSION_ID of a local submission: every attempt of it has the same."""
+    return f"local-{uuid.uuid4().hex[:12]}"
+
+
+def next_attempt(past: list[dict[str, Any]]) -> int:
+    """The first attempt of a submission, after the run's earlier attempts `past`."""
+    return past[-1]["attempt"] + 1 if past else 0
+
+
+def pending_state(
+    run_id: str, max_restarts: int, submission_id: str, previous: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The state submit writes for its own submission before it starts the supervisor, so
+    `launch status` and `--wait` never read the earlier submission's end as this one's. The
+    earlier attempts stay listed: attempt numbers (and log folders) go on from them."""
+    past = (previous or {}).get("attempts") or []
+    state = State(
+        run_id=run_id,
+        pid=None,
+        max_restarts=max_restarts,
+        submission_id=submission_id,
+        detail="submitted; the supervisor is starting",
+        attempt=next_attempt(past),
+        attempts=list(past),
+    )
+    state.updated = state.started
+    return asdict(state)
 
 
 def host_env(host: dict[str, Any], attempt: int, port: int, submission_id: str) -> dict[str, str]:
@@ -191,20 +224,23 @@ class Supervisor:
             raise SystemExit(f"{run_dir / PLAN_FILE} is missing")
         self.plan: dict[str, Any] = plan
         previous = read_json(run_dir / STATE_FILE) or {}
+        # Submit chose the id and wrote it with its pending state; a plan without one (written
+        # by hand, by tests) gets a fresh one.
+        self.submission_id = plan.get("submission_id") or new_submission_id()
         self.state = State(
             run_id=plan["run_id"],
             pid=os.getpid(),
             max_restarts=plan["max_restarts"],
+            submission_id=self.submission_id,
             # Only a group it leads (submit starts it in a session of its own) is the run's.
             pgid=os.getpgrp() if os.getpgrp() == os.getpid() else None,
         )
         # A resubmitted run (fixed run_id) continues the attempt count, so logs never collide.
         past = previous.get("attempts") or []
-        self.first_attempt = past[-1]["attempt"] + 1 if past else 0
-        self.state.attempts = list(past)
+        self.first_attempt = next_attempt(past)
+        self.state.attempt, self.state.attempts = self.first_attempt, list(past)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stopped: list[int] = []  # hosts whose process was stopped at the first failure
-        self.submission_id = f"local-{uuid.uuid4().hex[:12]}"
         self.preexec = _end_with_supervisor(os.getpid())
 
     # ---- state -----------------------------------------------------------------------------

@@ -83,8 +83,10 @@ class SlurmBackend:
         host: int | None = None,
         follow: bool = False,
         tail: int | None = None,
+        since_submission: bool = False,
     ) -> Iterator[str]:
-        """Each host's log lines, prefixed `[host N] `; with follow, until the job has ended."""
+        """Each host's log lines, prefixed `[host N] `; with follow, until the job has ended.
+        (Every sbatch job is one submission: `since_submission` changes nothing.)"""
         return status.logs(handle, host=host, follow=follow, tail=tail, poll_s=self.poll_s)
 
     def cancel(self, handle: Handle, *, grace_s: float | None = None, wait: bool = False) -> None:

@@ -34,12 +34,13 @@ def status(handle: Handle) -> dict[str, Any]:
     cancelled = rd.cancel_mark.exists()
     base = {"job_id": handle.data["job_id"], "workdir": str(rd.root), "logs": str(rd.logs),
             "max_restarts": handle.data.get("max_restarts")}  # fmt: skip
+    offset = int(handle.data.get("batch_log_offset", 0))  # never an earlier job's last words
     if job is None:
-        return {**base, **_from_result(rd, cancelled, handle.data["job_id"])}
+        return {**base, **_from_result(rd, cancelled, handle.data["job_id"], offset)}
     info = {**base, "slurm_state": job.state, "reason": job.reason, "attempt": job.restarts,
             "restarts": job.restarts,
             "exit_code": job.exit_code}  # fmt: skip
-    out = {**info, **_from_record(job, rd, cancelled)}
+    out = {**info, **_from_record(job, rd, cancelled, offset)}
     if out["state"] == "pending" and (found := pending_hint(job, handle.data.get("cluster"))):
         out["hint"], out["never_starts"] = found  # never_starts: `submit --wait` stops waiting
     return out
@@ -96,9 +97,9 @@ def _reason(job: JobRecord) -> str:
     return job.reason.split(",")[0].strip("()")
 
 
-def _from_record(job: JobRecord, rd: RunDir, cancelled: bool) -> dict[str, str]:
+def _from_record(job: JobRecord, rd: RunDir, cancelled: bool, offset: int) -> dict[str, str]:
     """State and detail of a job slurmctld still knows."""
-    last = _last_batch_line(rd)
+    last = _last_batch_line(rd, offset)
     if job.state in PENDING:
         why = f"requeued, attempt {job.restarts}" if job.restarts else "waiting"
         return {"state": "pending", "detail": f"{job.state.lower()} ({why}; reason {job.reason})"}
@@ -117,10 +118,13 @@ def _from_record(job: JobRecord, rd: RunDir, cancelled: bool) -> dict[str, str]:
     return {"state": "unknown", "detail": f"SLURM state {job.state}"}
 
 
-def _last_batch_line(rd: RunDir) -> str:
-    """The batch shell's last `jaxjob:` line: why the job ended as it did."""
+def _last_batch_line(rd: RunDir, offset: int = 0) -> str:
+    """The batch shell's last `jaxjob:` line past `offset` (where this submission's lines begin
+    in batch.log, which every job of the run appends to): why the job ended as it did."""
     try:
-        lines = (rd.logs / "batch.log").read_text(errors="replace").splitlines()
+        with (rd.logs / "batch.log").open("rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
     return next(
@@ -128,14 +132,14 @@ def _last_batch_line(rd: RunDir) -> str:
     )
 
 
-def _from_result(rd: RunDir, cancelled: bool, job_id: str) -> dict[str, Any]:
+def _from_result(rd: RunDir, cancelled: bool, job_id: str, offset: int) -> dict[str, Any]:
     """State after slurmctld forgot the job: the batch shell's own record of how it ended."""
     try:
         code, attempt = (int(x) for x in rd.result.read_text().split()[:2])
     except (OSError, ValueError):
         return {"state": "unknown", "detail": f"SLURM no longer knows job {job_id} and it left no "
                 f"result in {rd.root}; see {rd.logs / 'batch.log'}"}  # fmt: skip
-    last = _last_batch_line(rd)
+    last = _last_batch_line(rd, offset)
     info = {"exit_code": code, "attempt": attempt, "restarts": attempt}
     if code == 0:
         return {**info, "state": "succeeded", "detail": last or "every host finished"}

@@ -144,6 +144,8 @@ def submit(sub: Submission, rd: RunDir, files: list[RenderedFile]) -> Handle:
     """Write the rendered `files` into `rd` and sbatch its script."""
     _check_secrets(sub)
     _write_rundir(rd, files)
+    batch_log = rd.logs / "batch.log"  # a resubmitted run's jobs append to one batch.log
+    offset = batch_log.stat().st_size if batch_log.exists() else 0
     out = _run(slurm_cmd("sbatch", "--parsable", str(rd.script))).stdout.strip()
     job_id, _, cluster = out.splitlines()[-1].partition(";")  # "id" or "id;cluster"
     data: dict[str, Any] = {
@@ -154,6 +156,7 @@ def submit(sub: Submission, rd: RunDir, files: list[RenderedFile]) -> Handle:
         "hosts": sub.spec.host_processes("slurm"),
         "grace_s": sub.spec.slurm.signal_grace_s,
         "max_restarts": sub.spec.max_restarts,
+        "batch_log_offset": offset,
     }
     if cluster:
         data["cluster"] = cluster

@@ -1,8 +1,8 @@
 """A command whose optional extra is not installed says which to install, in one sentence (exit 2).
 
 Each command runs in a subprocess where the extra's modules cannot be imported: a
-`sitecustomize` on PYTHONPATH sets them to None in sys.modules, as a core install without them
-would find them missing."""
+`sitecustomize` on PYTHONPATH puts a finder first on sys.meta_path that raises
+ModuleNotFoundError for them, as a core install without them would."""
 
 from __future__ import annotations
 
@@ -17,8 +17,21 @@ from runs import stderr_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKER = """import os, sys
-for name in os.environ["JAXJOB_TEST_BLOCK"].split(","):
-    sys.modules[name] = None  # import of it raises ImportError, find_spec raises ValueError
+
+
+class _Missing:
+    \"\"\"A finder that says the blocked modules (and their submodules) are not installed.\"\"\"
+
+    names = tuple(n for n in os.environ["JAXJOB_TEST_BLOCK"].split(",") if n)
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if any(name == n or name.startswith(n + ".") for n in cls.names):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Missing)
 """
 
 

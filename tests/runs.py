@@ -77,6 +77,13 @@ def batch_of(ids) -> dict:
     }
 
 
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a child process with `devices` CPU devices, keeping the suite's own flags
+    (tests/conftest.py: the fast compile)."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device" not in f]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def write_config(path: Path, cfg: dict) -> Path:
     path.write_text(tomli_w.dumps(cfg))
     return path

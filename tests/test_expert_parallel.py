@@ -24,7 +24,7 @@ from multihost import run_hosts
 
 from jobspec.families.model_config import ModelConfig
 
-from runs import ROOT, batch_of, read_jsonl, run_cli, tiny_config, write_config
+from runs import ROOT, batch_of, read_jsonl, run_cli, tiny_config, write_config, xla_flags
 
 # One subprocess with 4 CPU devices checks the dispatch on several meshes against a dense
 # per-token reference: y[t] = sum_k w[t, k] * expert_{idx[t, k]}(x[t]); routing is skewed so that
@@ -129,7 +129,7 @@ _DISPATCH = textwrap.dedent(
 def _four_devices(script: str) -> dict:
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": xla_flags(4),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
@@ -264,7 +264,7 @@ def test_a_checkpoint_resumes_on_another_expert_layout_with_reshard(ep_runs, pre
     assert rolled.returncode == 0, rolled.stderr
     cfg = _ep_config(tmp, prepared, ep_runs["hf"], "moved", {"expert": 4})
     refused = run_cli("worker", str(cfg), env={"JAXJOB_RUN_ID": "ep", "JAXJOB_ATTEMPT": "1",
-                      "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})  # fmt: skip
+                      "XLA_FLAGS": xla_flags(4)})  # fmt: skip
     assert refused.returncode == 2 and "mesh.expert" in refused.stderr, refused.stderr
     _worker(cfg, 1, 4, "--reshard", attempt=1)
     base = [r["loss"] for r in _rows(ep_runs["e1"])]

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from runs import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(
@@ -80,7 +82,7 @@ def test_copy_bytes_counts_one_replica_of_each_addressable_shard() -> None:
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": xla_flags(4),
     }
     out = subprocess.run(
         [sys.executable, "-c", COPY_BYTES], cwd=ROOT, env=env, capture_output=True, text=True,

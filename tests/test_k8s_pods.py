@@ -27,7 +27,7 @@ from launch.backend import Submission
 from launch.backends.k8s.backend import saved_logs
 from launch.backends.k8s.render import CONFIG_DIR, coordinator_host, render_manifests
 
-from runs import tiny_config, write_config
+from runs import tiny_config, write_config, xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = REPO / "tests" / "k8s_specs"
@@ -169,7 +169,7 @@ def test_cpu_pods_form_one_cluster_and_finish(tmp_path, prepared):
                 "HOME": str(tmp_path),
                 "XDG_CACHE_HOME": str(tmp_path / ".cache"),
                 "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+                "XLA_FLAGS": xla_flags(1),
             }
             log = tmp_path / f"pod-{j}-{i}.log"
             with open(log, "wb") as f:

@@ -24,7 +24,7 @@ LETTERS = {"web": "w", "code": "c", "math": "m"}  # every document of a source i
 
 
 def _prepare(root: Path, name: str, tokenizer: str = "byte", docs: int = 8) -> str:
-    src = root / name / "in"
+    src = root / f"{name}-in"  # beside the dataset folder: prepare keeps to a folder of its own
     src.mkdir(parents=True)
     letter = LETTERS.get(name, "x")
     for i in range(docs):

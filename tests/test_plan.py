@@ -22,7 +22,7 @@ import yaml
 from jobspec.errors import ConfigError
 from jobspec.load import parse_run_config
 
-from runs import ROOT, run_cli
+from runs import ROOT, run_cli, xla_flags
 
 MODEL = {"vocab_size": 512, "hidden_size": 64, "num_layers": 2, "num_heads": 4,
          "num_kv_heads": 2, "intermediate_size": 128, "max_position_embeddings": 64}  # fmt: skip
@@ -189,7 +189,7 @@ _SCALING = textwrap.dedent(
 
 
 def _cpu8(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8),
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}  # fmt: skip
     return subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip

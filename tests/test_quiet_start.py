@@ -51,6 +51,7 @@ def test_config_check_prints_no_probing(tmp_path, prepared):
     cfg = write_config(tmp_path / "c.toml", tiny_config(prepared, str(tmp_path / "runs")))
     res = runtime("config", "check", str(cfg))
     assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert "tensor=1 (1 device)\n" in res.stdout, res.stdout  # one device, not "1 devices"
     bad = tmp_path / "bad.toml"
     bad.write_text(cfg.read_text().replace("hidden_size = 32", "hidden_size = -4"))
     res = runtime("config", "check", str(bad))

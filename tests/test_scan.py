@@ -28,7 +28,7 @@ from runtime.model.registry import build_model_module
 from runtime.train.state import TrainState, model_state_from_meta, model_state_record
 from runtime.train.step import make_train_step
 
-from runs import ROOT, batch_of
+from runs import ROOT, batch_of, xla_flags
 
 LAYERS = 3
 TINY: dict[str, Any] = dict(
@@ -316,7 +316,7 @@ def _global_batch_buffers(hlo: str, fsdp: int) -> list[str]:
 def test_compiled_train_step_holds_a_per_device_share_of_the_batch() -> None:
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": xla_flags(8),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }

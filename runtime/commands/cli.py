@@ -855,9 +855,10 @@ def _quiet_library_logs() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from runtime.host import platform
+    from runtime.host import compile_cache, platform
 
     platform.choose()  # before jax is imported: no probing of plugins this machine cannot use
+    compile_cache.configure()  # before jax is imported, too
     _quiet_library_logs()
     try:
         run_group(cli, "runtime", argv)

@@ -12,12 +12,16 @@ device holding E / mesh.expert experts, their hidden width over `tensor`):
    `all_to_all` whose slots are sized so that no row is ever dropped. Both place the rows in the
    same layout, so everything after is one code path.
 3. The received rows are grouped by local expert and go through the SwiGLU (or GELU) MLP as
-   grouped matmuls: megablox (the Pallas TPU kernel) on TPU, `lax.ragged_dot` elsewhere, or, on
-   GPU with a capacity factor, batched matmuls over each expert's fixed slots (XLA:GPU expands
-   `ragged_dot` densely over every group). Partial sums over the `tensor`-sharded hidden width
+   grouped matmuls: megablox (the Pallas TPU kernel, with tiles fitted to the shapes) on TPU,
+   `lax.ragged_dot` elsewhere, or, on GPU with a capacity factor, batched matmuls over each
+   expert's fixed slots (XLA:GPU expands `ragged_dot` densely over every group). Partial sums over the `tensor`-sharded hidden width
    are summed across `tensor`.
 4. The results travel back the same way (the exchange's transpose), return to their assignments'
    positions and are summed over each token's k experts with the router weights.
+
+Every permutation of rows (the sort by expert, the local regroup and their reverses) is a gather
+whose gradient is the inverse gather, and the per-expert counts are a compare-and-sum: the step
+has no scatter, forward or backward (scatters were the slowest ops of the permute on TPU).
 
 Dropless by default: the receive buffer holds mesh.expert x (the most rows one device can send
 one expert shard: tokens x min(k, experts per shard)), so no routing can overflow it. The
@@ -219,8 +223,7 @@ def _per_device(
     flat = index.reshape(m)
     order = jnp.argsort(flat, stable=True)
     sorted_e = flat[order]
-    # Out-of-range ids (padding rows, id E) are dropped by the scatter: never counted or sent.
-    counts = jax.ops.segment_sum(jnp.ones((m,), jnp.int32), flat, num_segments=num_experts)
+    counts = _expert_counts(flat, num_experts)
     dropped = jnp.zeros((), jnp.int32)
     if cap is not None:
         starts = jnp.cumsum(counts) - counts
@@ -231,7 +234,8 @@ def _per_device(
         kept = jnp.minimum(counts, cap)
         dropped = jnp.sum(counts - kept)
         counts = kept
-    rows = tokens[order // k]  # [m, D], grouped by expert
+    inverse = _inverse(order)
+    rows = _dispatch_rows(tokens, order, inverse, k)  # [m, D] = tokens[order // k], by expert
 
     if ep == 1:
         received, group_sizes = rows, counts
@@ -251,10 +255,16 @@ def _per_device(
         segment = jnp.searchsorted(ends, jnp.arange(ep * bound), side="right")
         local_e = jnp.where(segment < ep * local_experts, segment % local_experts, local_experts)
         regroup = jnp.argsort(local_e, stable=True)
-        received = received[regroup]
+        unregroup = _inverse(regroup)
+        received = _permute(received, regroup, unregroup)
         group_sizes = jnp.sum(mine, axis=0)
 
     group_sizes = group_sizes.astype(jnp.int32)
+    valid = jnp.arange(received.shape[0]) < jnp.sum(group_sizes)
+    if cap is not None and ep == 1:
+        # The dropped rows sit past the groups, where megablox writes nothing, not even in the
+        # backward: masked here, that garbage never reaches the tokens' gradient.
+        received = jnp.where(valid[:, None], received, jnp.zeros((), received.dtype))
     if kernel == "einsum_slots":
         assert cap is not None, "the slotted matmul needs a capacity factor"
         out = _slotted_mlp(received, group_sizes, gate, up, down, activation, ep * cap)
@@ -263,15 +273,54 @@ def _per_device(
         out = gmm(activation(gmm(received, gate)) * gmm(received, up), down)
     if tensor_axis is not None:
         out = jax.lax.psum(out, tensor_axis)
-    valid = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
     out = jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
     if ep > 1:
-        out = out[_inverse(regroup)]
+        out = _permute(out, unregroup, regroup)
         out = send_back(n * k, ep * bound, bound, expert_axis, ragged)(out, sizes)
-    per_assignment = out[_inverse(order)].reshape(n, k, d)
+    per_assignment = _permute(out, inverse, order).reshape(n, k, d)
     y = jnp.einsum("nkd,nk->nd", per_assignment, w.astype(per_assignment.dtype))
     return y, dropped.reshape(1)
+
+
+# Measured on one v5e (bench/tpu/results/2026-12-07-moe-profile.md): 512-row tiles reload each
+# weight tile 4x less often than 128-row ones; 256 and 1024 rows were slower.
+ROW_TILE = 512
+# The widest megablox tile each chip compiles. On v5e a 2048-wide tile overflows the kernel's
+# scoped VMEM (CompileTimeScopedVmemOom); chips not measured keep the width known to compile.
+_TILE_WIDTH_CAPS: dict[str, int] = {"TPU v5 lite": 1024}
+_MEASURED_TILE_WIDTH = 1024
+
+
+def tile_width_cap(device_kind: str) -> int:
+    """The widest contracted or output tile megablox may use on a `device_kind` chip."""
+    return _TILE_WIDTH_CAPS.get(device_kind, _MEASURED_TILE_WIDTH)
+
+
+def fit_tile(width: int, cap: int) -> int:
+    """The whole width when it fits, else the largest multiple of 128 that divides it and is at
+    most `cap` (no masked remainder tile), else `cap`."""
+    if width <= cap:
+        return width
+    return max((t for t in range(128, cap + 1, 128) if width % t == 0), default=cap)
+
+
+@functools.cache
+def megablox_tiling(row_tile: int, cap: int) -> Callable[[int, int, int], tuple[int, int, int]]:
+    """megablox's tiling function `(m, k, n) -> (tm, tk, tn)`, called for the forward `gmm` and
+    both VJP kernels. Cached: the kernels take it as a static argument, compared by identity."""
+
+    def tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+        return min(row_tile, m), fit_tile(k, cap), fit_tile(n, cap)
+
+    return tiling
+
+
+def _device_kind() -> str:
+    """The chip the trace in progress compiles for (`device_kind`, e.g. "TPU v5 lite")."""
+    mesh = current_mesh()
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return str(device.device_kind)
 
 
 def _grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, kernel: str) -> jax.Array:
@@ -286,11 +335,11 @@ def _grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, kernel: 
         return jax.lax.ragged_dot(x, w, group_sizes)
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-    r, k = x.shape
-    tile_m = 128 if r >= 128 else -(-r // 8) * 8
+    r = x.shape[0]
+    tile_m = ROW_TILE if r >= ROW_TILE else -(-r // 8) * 8
     pad = -r % tile_m
     rows = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
-    tiling = (tile_m, min(k, 512), min(w.shape[2], 512))
+    tiling = megablox_tiling(tile_m, tile_width_cap(_device_kind()))
     # Off a TPU (tests on CPU) the kernel runs in Pallas' interpreter.
     interpret = target_platform() != "tpu"
     out = gmm(rows, w, group_sizes, x.dtype, tiling, None, None, False, interpret)
@@ -326,8 +375,57 @@ def _slotted_mlp(
 
 
 def _inverse(perm: jax.Array) -> jax.Array:
-    """The inverse of a permutation of 0..len-1 (integer; no gradient flows through it)."""
-    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+    """The inverse of a permutation of 0..len-1 (integer; no gradient flows through it), by a
+    sort rather than a scatter."""
+    return jnp.argsort(perm).astype(perm.dtype)
+
+
+def _expert_counts(flat: jax.Array, num_experts: int) -> jax.Array:
+    """Assignments per expert [E] int32 by a compare-and-sum (no scatter); ids out of range
+    (padding rows, id E) match no expert, so they are never counted or sent."""
+    experts = jnp.arange(num_experts, dtype=flat.dtype)
+    return jnp.sum(flat[:, None] == experts[None, :], axis=0, dtype=jnp.int32)
+
+
+@jax.custom_vjp
+def _permute(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x[perm] for a permutation `perm` of x's rows whose inverse is `inverse`."""
+    return x[perm]
+
+
+def _permute_fwd(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> tuple[jax.Array, Any]:
+    return x[perm], inverse
+
+
+def _permute_bwd(inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
+    # Every row moved exactly once: its cotangent is gathered back (XLA's own is a scatter).
+    return g[inverse], None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch_rows(tokens: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
+    """tokens [n, D] -> tokens[order // k] [n k, D]: each token's k assignments, in the order of
+    the permutation `order` (inverse `inverse`). Gathering from the [n, D] table, not a k-times
+    repeated one, lets XLA keep the source in fast memory."""
+    return tokens[order // k]
+
+
+def _dispatch_fwd(
+    tokens: jax.Array, order: jax.Array, inverse: jax.Array, k: int
+) -> tuple[jax.Array, Any]:
+    return tokens[order // k], inverse
+
+
+def _dispatch_bwd(k: int, inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
+    # Assignment i of token t (t k + i) sits at row inverse[t k + i]: gather each token's k
+    # cotangents back and sum them, instead of XLA's scatter-add.
+    return g[inverse].reshape(-1, k, g.shape[1]).sum(axis=1), None, None
+
+
+_dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 # --- the exchange -------------------------------------------------------------------------------

@@ -82,8 +82,10 @@ def test_a_plan_without_its_compiler_names_the_plan_extra(tmp_path, blocked, arg
 
 
 def test_a_cpu_plan_needs_no_extra(tmp_path):
-    proc = _run(tmp_path, "libtpu,jax_cuda12_plugin", "runtime", "config", "check", PLAN[2])
+    blocked = "libtpu,jax_cuda12_plugin,jax_plugins.xla_cuda12"
+    proc = _run(tmp_path, blocked, *PLAN, "--accelerator", "cpu", "--json")
     assert proc.returncode == 0, proc.stderr
+    assert '"accelerator": "cpu"' in proc.stdout
 
 
 def test_a_gs_run_without_gcsfs_names_the_gcs_extra(tmp_path):

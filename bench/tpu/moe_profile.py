@@ -9,19 +9,20 @@ of the 3 traced steps, with the variant's settings) and, with --hlo, DIR/hlo-N.t
 compiled step's optimised HLO, whose op names the summary's ops carry). The row's `top_ops` are
 the K ops with the most self time (a `while` loop's body is counted in its ops, not the loop).
 
-Besides accel_step's kernel knobs a `--variant` may set (what the runtime does not offer; these
-only swap a function of runtime/model/moe_dispatch.py for this process, to size a change first):
+Besides accel_step's kernel knobs a `--variant` may set (they swap a function of
+runtime/model/moe_dispatch.py for this process, to size a change first; since 2026-12-07 the
+runtime's defaults are tiles 512 x 1024 x 1024 fitted this way and the lean gather permutes, so
+these now compare other settings against those defaults):
   kernel.gmm_tiling=TMxTKxTN   megablox tiles: TM rows, and the contracted / output widths
                                each split into the largest multiple of 128 that divides them
-                               and is at most TK / TN (the runtime's: 128 x 512 x 512, which
-                               splits 768 into 512 + a masked 256)
+                               and is at most TK / TN (the runtime's default: 512 x 1024 x 1024;
+                               it was 128 x 512 x 512, which split 768 into 512 + 256)
   kernel.permute=gather        one device, dropless: the tokens are repeated k times and
                                permuted with a gather whose gradient is the inverse gather,
-                               and the results come back the same way (the runtime gathers
-                               `tokens[order // k]` and `out[inverse]`, whose gradients are
-                               scatters)
+                               and the results come back the same way (the runtime's default is the
+                               lean variant below)
   kernel.permute=gather_lean   the same, and the inverse permutation by a sort and the
-                               expert counts by a compare-and-sum (the runtime scatters both)
+                               expert counts by a compare-and-sum (the runtime's default)
 """
 
 from __future__ import annotations
@@ -56,19 +57,18 @@ ORIGINAL_MEASURE = accel_step.measure
 STATE: dict[str, Any] = {"out": None, "hlo": False, "n": 0, "label": {}}
 
 
-def fit(width: int, most: int) -> int:
-    """The largest multiple of 128 dividing `width` and at most `most` (width itself if small)."""
-    if width <= most:
-        return width
-    return max((t for t in range(128, most + 1, 128) if width % t == 0), default=most)
+def lut(tm: int, tk: int, tn: int) -> Any:
+    """A megablox tiling function: the runtime's rule (moe_dispatch.megablox_tiling) with its
+    own width caps for the contracted and output widths."""
+    if tk == tn:
+        return moe_dispatch.megablox_tiling(tm, tk)
+    return _lut(tm, tk, tn)
 
 
 @functools.cache
-def lut(tm: int, tk: int, tn: int) -> Any:
-    """A megablox tiling function (one object per triple: the kernels take it as a static arg)."""
-
+def _lut(tm: int, tk: int, tn: int) -> Any:  # one object per triple: a static kernel argument
     def tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-        return (min(tm, m), fit(k, tk), fit(n, tn))
+        return (min(tm, m), moe_dispatch.fit_tile(k, tk), moe_dispatch.fit_tile(n, tn))
 
     return tiling
 
@@ -90,21 +90,7 @@ def tiled_gmm(
     return out[:r] if pad else out
 
 
-@jax.custom_vjp
-def permute_rows(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
-    """x[perm] for a permutation `perm` whose inverse is `inverse`; the gradient is g[inverse]."""
-    return x[perm]
-
-
-def _permute_fwd(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> tuple[jax.Array, Any]:
-    return x[perm], inverse
-
-
-def _permute_bwd(inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
-    return g[inverse], None, None
-
-
-permute_rows.defvjp(_permute_fwd, _permute_bwd)
+permute_rows = moe_dispatch._permute  # x[perm], gradient g[inverse]: the runtime's own
 
 
 def per_device_gather(

@@ -286,15 +286,9 @@ def _per_device(
 # Measured on one v5e (bench/tpu/results/2026-12-07-moe-profile.md): 512-row tiles reload each
 # weight tile 4x less often than 128-row ones; 256 and 1024 rows were slower.
 ROW_TILE = 512
-# The widest megablox tile each chip compiles. On v5e a 2048-wide tile overflows the kernel's
-# scoped VMEM (CompileTimeScopedVmemOom); chips not measured keep the width known to compile.
-_TILE_WIDTH_CAPS: dict[str, int] = {"TPU v5 lite": 1024}
-_MEASURED_TILE_WIDTH = 1024
-
-
-def tile_width_cap(device_kind: str) -> int:
-    """The widest contracted or output tile megablox may use on a `device_kind` chip."""
-    return _TILE_WIDTH_CAPS.get(device_kind, _MEASURED_TILE_WIDTH)
+# The widest contracted or output tile: on v5e a 2048-wide tile overflows the kernel's scoped
+# VMEM (CompileTimeScopedVmemOom); 1024 compiles there and is the fastest width measured.
+TILE_WIDTH = 1024
 
 
 def fit_tile(width: int, cap: int) -> int:
@@ -316,13 +310,6 @@ def megablox_tiling(row_tile: int, cap: int) -> Callable[[int, int, int], tuple[
     return tiling
 
 
-def _device_kind() -> str:
-    """The chip the trace in progress compiles for (`device_kind`, e.g. "TPU v5 lite")."""
-    mesh = current_mesh()
-    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    return str(device.device_kind)
-
-
 def _grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, kernel: str) -> jax.Array:
     """x [R, K] rows grouped by expert (group g: the next group_sizes[g] rows), w [G, K, N] ->
     [R, N]; rows past the groups come out as garbage or zeros (the caller masks them).
@@ -339,7 +326,7 @@ def _grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, kernel: 
     tile_m = ROW_TILE if r >= ROW_TILE else -(-r // 8) * 8
     pad = -r % tile_m
     rows = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
-    tiling = megablox_tiling(tile_m, tile_width_cap(_device_kind()))
+    tiling = megablox_tiling(tile_m, TILE_WIDTH)
     # Off a TPU (tests on CPU) the kernel runs in Pallas' interpreter.
     interpret = target_platform() != "tpu"
     out = gmm(rows, w, group_sizes, x.dtype, tiling, None, None, False, interpret)

@@ -65,6 +65,18 @@ def _end_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """What a test sets in os.environ ends with it: commands run in-process set variables for the
+    process they expect to own (`runtime plan` turns JAX's compilation cache off), and a later
+    test in the same worker must not inherit them through the subprocesses it starts."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     if _XLA_CACHE is not None:
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)

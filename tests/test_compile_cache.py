@@ -32,7 +32,8 @@ def test_the_users_folder_wins_and_zero_turns_it_off(tmp_path):
 def test_a_run_fills_the_cache_and_a_second_run_reads_it(tmp_path, prepared):
     """Two `runtime local` runs as a user starts them (no cache variable of the suite's): the
     first writes its programs to ~/.cache/jaxjob/xla, the second finds them there."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    ours = ("JAX_COMPILATION_CACHE", "JAX_ENABLE_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the tiny programs compile fast
     cache = tmp_path / "cache" / "jaxjob" / "xla"

@@ -65,16 +65,20 @@ def _end_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-@pytest.fixture(autouse=True)
-def _environment_restored() -> Iterator[None]:
-    """What a test sets in os.environ ends with it: commands run in-process set variables for the
-    process they expect to own (`runtime plan` turns JAX's compilation cache off), and a later
-    test in the same worker must not inherit them through the subprocesses it starts."""
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """What a test's body sets in os.environ ends with it: commands run in-process set variables
+    for the process they expect to own (`runtime plan` turns JAX's compilation cache off), and a
+    later test in the same worker must not inherit them through the subprocesses it starts.
+    Fixtures are set up outside the call, so what a session fixture exports (the GCS emulator's
+    address) stays for the tests after it."""
     saved = dict(os.environ)
-    yield
-    if dict(os.environ) != saved:
-        os.environ.clear()
-        os.environ.update(saved)
+    try:
+        return (yield)
+    finally:
+        if dict(os.environ) != saved:
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

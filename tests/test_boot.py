@@ -107,10 +107,23 @@ def test_single_process_boot() -> None:
 # ---- real clusters ----------------------------------------------------------------------------
 
 
-def test_two_processes_form_one_cluster_and_agree_on_the_writer() -> None:
-    results = run_hosts(["cluster", "--attempts", "0"], 2, 2, script=WORKER, timeout=120)
+@pytest.fixture(scope="module")
+def contract_cluster() -> list[HostResult]:
+    """One 2-host cluster on the env contract, read by the tests below: attempt 2, inside a
+    SLURM allocation (the contract must win over JAX's SLURM detection), electing the writer of
+    attempts 0, 2 and 3."""
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "2",
+             "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}  # fmt: skip
+    env = {"JAXJOB_ATTEMPT": "2", **slurm}
+    args = ["cluster", "--attempts", "0,2,3"]
+    results = run_hosts(args, 2, 2, env=env, script=WORKER, timeout=120)
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
+    return results
+
+
+def test_two_processes_form_one_cluster_and_agree_on_the_writer(contract_cluster) -> None:
+    for r in contract_cluster:
         out = mh(r, "cluster")
         info = out["info"]
         assert info["mode"] == "contract" and info["run_id"] == "mh-test"
@@ -122,15 +135,9 @@ def test_two_processes_form_one_cluster_and_agree_on_the_writer() -> None:
         assert all(got == want for got, want in out["sums"]), out["sums"]
 
 
-def test_writer_is_reagreed_per_attempt() -> None:
-    # Inside a SLURM allocation too, the contract wins over JAX's SLURM detection.
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "2",
-             "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}  # fmt: skip
-    env = {"JAXJOB_ATTEMPT": "2", **slurm}
-    results = run_hosts(["cluster", "--attempts", "2,3"], 2, 1, env=env, script=WORKER, timeout=120)
+def test_writer_is_reagreed_per_attempt(contract_cluster) -> None:
     writers = []
-    for r in results:
-        assert r.returncode == 0, r.output[-3000:]
+    for r in contract_cluster:
         out = mh(r, "cluster")
         assert out["info"]["attempt"] == 2 and out["info"]["mode"] == "contract"
         assert out["writers"]["2"]["key"] == "jaxjob/mh-test/writer/2"
@@ -175,15 +182,39 @@ def test_missing_peer_ends_the_coordinator_cleanly() -> None:
     assert elapsed < 5 + 10, elapsed
 
 
+class SignalRuns:
+    """Per signal, one 2-host loop that the signal on host 1 stops, run the first time a test
+    asks for it. After SIGTERM's stop host 0 lingers (writing its files) for longer than the
+    watchdog's timeout while host 1 is done and waiting in JAX's shutdown barrier."""
+
+    WATCHDOG_S, LINGER_S = 3, 5
+
+    def __init__(self) -> None:
+        self.runs: dict[signal.Signals, list[HostResult]] = {}
+
+    def __getitem__(self, sig: signal.Signals) -> list[HostResult]:
+        if sig not in self.runs:
+            linger = self.LINGER_S if sig == signal.SIGTERM else 0
+            args = ["loop", "--watchdog", str(self.WATCHDOG_S), "--linger", str(linger)]
+            with start_hosts(args, 2, 2, script=WORKER) as hosts:
+                for i in (0, 1):
+                    hosts.wait_for_output(i, "READY", timeout=60)
+                hosts.signal(1, sig)  # both are in the loop of 100,000 steps: it cannot end first
+                self.runs[sig] = hosts.wait(timeout=60)
+        return self.runs[sig]
+
+
+@pytest.fixture(scope="module")
+def signal_runs() -> SignalRuns:
+    return SignalRuns()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_on_one_host_stops_all_at_the_same_step(sig: signal.Signals) -> None:
-    with start_hosts(["loop", "--watchdog", "20"], 2, 2, script=WORKER) as hosts:
-        for i in (0, 1):
-            hosts.wait_for_output(i, "READY", timeout=60)
-        hosts.signal(1, sig)  # both are in the loop of 100,000 steps: it cannot end first
-        results = hosts.wait(timeout=60)
+def test_signal_on_one_host_stops_all_at_the_same_step(
+    signal_runs: SignalRuns, sig: signal.Signals
+) -> None:
     stops = []
-    for r in results:
+    for r in signal_runs[sig]:
         assert r.returncode == 0, r.output[-3000:]
         stopped = mh(r, "stopped")
         assert stopped["reason"] == sig.name
@@ -223,17 +254,11 @@ def test_sigkill_of_the_coordinator_host_ends_the_others() -> None:
     assert took < 30  # at once, give or take a loaded machine; a hang is cut at 40 s
 
 
-def test_a_host_that_finished_is_not_reported_lost() -> None:
-    # Host 0 lingers (writing its files) for longer than the watchdog's timeout after host 1 is
-    # done and waiting in JAX's shutdown barrier: neither may call the other lost.
-    results = run_hosts(
-        ["loop", "--steps", "20", "--watchdog", "3", "--linger", "5"],
-        2,
-        1,
-        script=WORKER,
-        timeout=120,
-    )
-    for r in results:
+def test_a_host_that_finished_is_not_reported_lost(signal_runs: SignalRuns) -> None:
+    # Host 0 lingers past the watchdog's timeout after host 1 is done and waiting in JAX's
+    # shutdown barrier: neither may call the other lost.
+    assert SignalRuns.LINGER_S > SignalRuns.WATCHDOG_S
+    for r in signal_runs[signal.SIGTERM]:
         assert r.returncode == 0, r.output[-3000:]
         assert "stopped responding" not in r.stderr
         mh(r, "exit")

@@ -7,10 +7,11 @@ import json
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from multihost import run_hosts, start_hosts
+from multihost import HostResult, run_hosts, start_hosts
 
 from runs import read_jsonl, run_cli, tiny_config, write_config
 
@@ -47,18 +48,35 @@ LAYOUTS = {  # name: (processes, devices per process, mesh)
     "p1": (1, 1, {}),
     "p2-fsdp-tensor": (2, 2, {"fsdp": 2, "tensor": 2}),
     "p2-data-fsdp": (2, 2, {"data": 2, "fsdp": 2}),
-    "p4-data": (4, 1, {"data": 4}),
-    "p1x4-data": (1, 4, {"data": 4}),  # one process, the same mesh as p4-data: the writer baseline
+    # Two hosts, one device each: a host count the writer check needs, no more (every host past
+    # the second is another process to start and compile for, and runs the same code).
+    "p2-data": (2, 1, {"data": 2}),
+    "p1x2-data": (1, 2, {"data": 2}),  # one process, the same mesh as p2-data: the writer baseline
 }
 
 
+class Layouts:
+    """The layouts' runs, each started the first time a test asks for it (a test of one layout
+    does not pay for the others): one run id, one output root per layout, so the runs differ
+    only in how they are laid out."""
+
+    def __init__(self, tmp: Path, prepared: str) -> None:
+        self.tmp, self.prepared = tmp, prepared
+        self.started: set[str] = set()
+
+    def __getitem__(self, name: str) -> Path:
+        out = self.tmp / name
+        if name not in self.started:
+            self.started.add(name)  # once, even if it fails: a failed run is not run again
+            procs, devices, mesh = LAYOUTS[name]
+            _worker(_config(self.tmp, self.prepared, "eq", mesh, out=out), "eq", procs, devices)
+        assert (out / "eq/summaries/final.json").is_file(), f"the {name} run did not finish"
+        return out / "eq"
+
+
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory, prepared) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("mh")
-    for name, (procs, devices, mesh) in LAYOUTS.items():
-        # One run id, one output root per layout: the runs differ only in how they are laid out.
-        _worker(_config(tmp, prepared, "eq", mesh, out=tmp / name), "eq", procs, devices)
-    return {name: tmp / name / "eq" for name in LAYOUTS}
+def layouts(tmp_path_factory, prepared) -> Layouts:
+    return Layouts(tmp_path_factory.mktemp("mh"), prepared)
 
 
 def test_same_losses_and_batches_on_every_layout(layouts):
@@ -109,28 +127,26 @@ HOST_GLOBAL = ["manifest.json", "config/resolved.json", "metrics/train.jsonl", "
 
 
 def test_one_writer_writes_what_one_process_writes(layouts):
-    four, one = layouts["p4-data"], layouts["p1x4-data"]
+    two, one = layouts["p2-data"], layouts["p1x2-data"]
     for rel in HOST_GLOBAL:
-        assert (four / rel).is_file() == (one / rel).is_file(), rel
+        assert (two / rel).is_file() == (one / rel).is_file(), rel
         if (one / rel).is_file():
-            _same(_normalised(four / rel), _normalised(one / rel), rel)
-    source = (one / "config/source.toml").read_text().replace(str(one.parent), str(four.parent))
-    assert (four / "config/source.toml").read_text() == source
+            _same(_normalised(two / rel), _normalised(one / rel), rel)
+    source = (one / "config/source.toml").read_text().replace(str(one.parent), str(two.parent))
+    assert (two / "config/source.toml").read_text() == source
     # Host-global files exist once: only hosts/<i>/ holds per-host copies, one per host.
-    hosts = sorted(p.name for p in (four / "hosts").iterdir())
-    assert hosts == ["0", "1", "2", "3"]
+    hosts = sorted(p.name for p in (two / "hosts").iterdir())
+    assert hosts == ["0", "1"]
     names = [
-        p.relative_to(four).as_posix()
-        for p in four.rglob("*.json*")
-        if "hosts/" not in p.as_posix()
+        p.relative_to(two).as_posix() for p in two.rglob("*.json*") if "hosts/" not in p.as_posix()
     ]
     assert len(names) == len(set(names))
-    for i in range(4):  # every host's output is kept in the run's storage, not only on the host
-        log = (four / f"logs/attempt-0/host-{i}.log").read_text()
-        assert f"host {i} of 4" in log and f"step: {STEPS} " in log
-    diag = json.loads((four / "diagnostics/runtime.json").read_text())
-    assert diag["boot"]["mode"] == "contract" and diag["process_count"] == 4
-    assert diag["boot"]["writer_index"] == 0 and diag["global_device_count"] == 4
+    for i in range(2):  # every host's output is kept in the run's storage, not only on the host
+        log = (two / f"logs/attempt-0/host-{i}.log").read_text()
+        assert f"host {i} of 2" in log and f"step: {STEPS} " in log
+    diag = json.loads((two / "diagnostics/runtime.json").read_text())
+    assert diag["boot"]["mode"] == "contract" and diag["process_count"] == 2
+    assert diag["boot"]["writer_index"] == 0 and diag["global_device_count"] == 2
     assert diag["param_shardings"], "each parameter's sharding is recorded"
     sharded = json.loads((layouts["p2-fsdp-tensor"] / "diagnostics/runtime.json").read_text())
     assert any("fsdp" in spec and "tensor" in spec for spec in sharded["param_shardings"].values())
@@ -147,71 +163,112 @@ def test_non_writer_cannot_write_host_global_files(tmp_path):
     assert not (tmp_path / "run/manifest.json").exists()
 
 
-def test_multihost_resume_is_exact_and_reshards(tmp_path, prepared):
-    mesh = {"data": 2, "fsdp": 2}
-    whole = _config(tmp_path, prepared, "whole", mesh, training={"target_tokens": 16 * 8 * 8})
-    _worker(whole, "whole", 2, 2)
-    split = _config(tmp_path, prepared, "split", mesh, training={"target_tokens": 16 * 8 * 8})
-    _worker(split, "split", 2, 2, "--max-steps", "4")
+def test_multihost_resume_is_exact_and_reshards(tmp_path, prepared, layouts):
+    # The same job in one attempt is the data x fsdp layout's run (run ids do not enter the math).
+    full = [r["loss"] for r in read_jsonl(layouts["p2-data-fsdp"] / "metrics/train.jsonl")]
+    half = STEPS // 2
+    split = _config(tmp_path, prepared, "split", LAYOUTS["p2-data-fsdp"][2])
+    _worker(split, "split", 2, 2, "--max-steps", str(half))
     runs = tmp_path / "runs"
     shutil.copytree(runs / "split", runs / "moved")
     _worker(split, "split", 2, 2, attempt=1)  # a restarted attempt resumes on its own
-    full = [r["loss"] for r in read_jsonl(runs / "whole/metrics/train.jsonl")]
     assert [r["loss"] for r in read_jsonl(runs / "split/metrics/train.jsonl")] == full
 
     # The same checkpoint on one process: refused without --reshard, exact to 1e-5 with it.
-    one = _config(tmp_path, prepared, "moved", {}, training={"target_tokens": 16 * 8 * 8})
+    one = _config(tmp_path, prepared, "moved", {})
     refused = run_cli("worker", str(one), env={"JAXJOB_RUN_ID": "moved"})
     assert refused.returncode == 2 and "--reshard" in refused.stderr, refused.stderr
     _worker(one, "moved", 1, 1, "--reshard")
     moved = [r["loss"] for r in read_jsonl(runs / "moved/metrics/train.jsonl")]
-    assert len(moved) == 8
-    assert moved[:4] == full[:4]
-    assert moved[4:] == pytest.approx(full[4:], rel=1e-5)
+    assert len(moved) == STEPS
+    assert moved[:half] == full[:half]
+    assert moved[half:] == pytest.approx(full[half:], rel=1e-5)
 
 
-def test_sigterm_to_one_host_stops_all_at_one_step(tmp_path, prepared):
-    cfg = _config(
-        tmp_path, prepared, "term", {"data": 2}, training={"target_tokens": 16 * 8 * 10_000}
-    )
-    env = {"JAXJOB_RUN_ID": "term"}
-    with start_hosts(["worker", str(cfg)], 2, 1, env=env) as hosts:
-        hosts.wait_for_output(1, "step: 3 ", timeout=180)
-        hosts.signal(1, signal.SIGTERM)
-        results = hosts.wait(timeout=180)
-    assert [r.returncode for r in results] == [42, 42], hosts.describe()
+# A run that is still stepping when the test acts on it. Its schedule decays over STEPS as the
+# layouts' runs do, so its program is the p2-data layout's and XLA's cache has it.
+LONG = {
+    "training": {"target_tokens": 16 * 8 * 10_000},
+    "optimizer": {"schedule": {"decay_steps": STEPS}},
+}
+
+
+@dataclass(frozen=True)
+class Faults:
+    """One job, two attempts: SIGTERM to host 1 stops attempt 0 (both hosts, at one step);
+    attempt 1 resumes from that stop's checkpoint and loses host 1 to SIGKILL."""
+
+    run: Path
+    stopped: list[HostResult]  # attempt 0's hosts
+    stopped_output: str
+    index_after_stop: dict  # checkpoints/index.json when attempt 0 had ended
+    last_event_after_stop: str
+    stop_step: int
+    resumed: HostResult  # attempt 1's host 0, the survivor
+    resumed_output: str
+    gave_up_s: float  # from the kill until host 0 had exited
+
+
+def _stop_step(results: list[HostResult]) -> int:
     stopped = {int(ln.split("stopped at step ")[1].split(",")[0]) for r in results
                for ln in r.stdout.splitlines() if "stopped at step" in ln}  # fmt: skip
     assert len(stopped) == 1, [r.stdout[-500:] for r in results]
-    step = stopped.pop()
-    run = tmp_path / "runs/term"
-    assert json.loads((run / "checkpoints/index.json").read_text())["latest"] == step
-    assert read_jsonl(run / "events.jsonl")[-1]["event"] == "interrupted"
-    again = _worker(cfg, "term", 2, 1, "--max-steps", "2", attempt=1)
-    assert f"from checkpoint {step}" in again[0].stdout
-    assert read_jsonl(run / "metrics/train.jsonl")[-1]["step"] == step + 2
+    return stopped.pop()
 
 
-def test_sigkill_of_one_host_ends_the_others(tmp_path, prepared):
-    cfg = _config(tmp_path, prepared, "kill", {"data": 2}, training={"target_tokens": 16 * 8 * 10_000},
-                  checkpoint={"every": 2, "keep": 2}, runtime={"host_loss_timeout_s": 10})  # fmt: skip
-    with start_hosts(["worker", str(cfg)], 2, 1, env={"JAXJOB_RUN_ID": "kill"}) as hosts:
-        hosts.wait_for_output(0, "step: 5 ", timeout=180)
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory, prepared) -> Faults:
+    """The fault tests' job: one pair of hosts per attempt, instead of a fresh job per test."""
+    tmp = tmp_path_factory.mktemp("faults")
+    cfg = _config(tmp, prepared, "term", {"data": 2}, checkpoint={"every": 2, "keep": 2},
+                  runtime={"host_loss_timeout_s": 10}, **LONG)  # fmt: skip
+    run = tmp / "runs/term"
+    with start_hosts(["worker", str(cfg)], 2, 1, env={"JAXJOB_RUN_ID": "term"}) as hosts:
+        hosts.wait_for_output(1, "step: 3 ", timeout=180)
+        hosts.signal(1, signal.SIGTERM)
+        stopped = hosts.wait(timeout=180)
+        stopped_output = hosts.describe()
+    step = _stop_step(stopped)
+    index = json.loads((run / "checkpoints/index.json").read_text())
+    last_event = read_jsonl(run / "events.jsonl")[-1]["event"]
+    env = {"JAXJOB_RUN_ID": "term", "JAXJOB_ATTEMPT": "1"}
+    with start_hosts(["worker", str(cfg)], 2, 1, env=env) as hosts:
+        # Checkpoints every 2 steps: two fall between the resume and the kill.
+        hosts.wait_for_output(0, f"step: {step + 5} ", timeout=180)
         hosts.kill(1)
         t0 = time.monotonic()
         (host0,) = hosts.wait(timeout=120, only=[0])
-        took = time.monotonic() - t0
-    assert host0.returncode not in (0, None), hosts.describe()
+        gave_up_s = time.monotonic() - t0
+        resumed_output = hosts.describe()
+    return Faults(run, stopped, stopped_output, index, last_event, step, host0, resumed_output,
+                  gave_up_s)  # fmt: skip
+
+
+def test_sigterm_to_one_host_stops_all_at_one_step(faults: Faults):
+    assert [r.returncode for r in faults.stopped] == [42, 42], faults.stopped_output
+    step = faults.stop_step
+    assert _stop_step(faults.stopped) == step  # both hosts stopped at that one step
+    assert faults.index_after_stop["latest"] == step
+    assert faults.last_event_after_stop == "interrupted"
+    # The next attempt starts from that checkpoint and goes on with the very next step.
+    assert f"from checkpoint {step}" in faults.resumed.stdout
+    steps = [r["step"] for r in read_jsonl(faults.run / "metrics/train.jsonl")]
+    assert steps[: step + 2] == list(range(1, step + 3)), steps
+
+
+def test_sigkill_of_one_host_ends_the_others(faults: Faults):
+    host0, took = faults.resumed, faults.gave_up_s
+    assert host0.returncode not in (0, None), faults.resumed_output
     assert took < 10 + 30, f"host 0 needed {took:.0f} s to give up"
     assert "host 1" in host0.stderr, host0.stderr[-3000:]
-    # Checkpoints every 2 steps and the kill comes after step 5 was logged, so steps 2 and 4
-    # were due before it: at least one must be indexed, and whatever is indexed was committed.
-    index_path = tmp_path / "runs/kill/checkpoints/index.json"
+    # The kill came after the resumed attempt's checkpoints at two steps were due: what the
+    # index lists was committed, and it lists one of that attempt's.
+    index_path = faults.run / "checkpoints/index.json"
     assert index_path.is_file(), "no checkpoint was committed before the kill"
     entries = json.loads(index_path.read_text())["checkpoints"]
-    assert entries, "the index lists no checkpoint"
+    assert any(entry["step"] > faults.stop_step for entry in entries), entries
     for entry in entries:
-        assert (tmp_path / "runs/kill/checkpoints" / str(entry["step"])).is_dir()
+        assert (faults.run / "checkpoints" / str(entry["step"])).is_dir()
 
 
 def test_wrong_coordinator_fails_with_a_clear_error(tmp_path, prepared):

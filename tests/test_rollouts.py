@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -283,14 +284,25 @@ def _pg_cfg(manifest: str, out: str, run_id: str = "pg", **over) -> dict:
 
 
 def _completion_logprobs(model, rows: list[tuple[bytes, bytes]]) -> list[np.ndarray]:
-    """log p(completion token) under `model`, per rollout (what a sampler would report)."""
-    out = []
-    for prompt, completion in rows:
-        ids = np.frombuffer(prompt + completion, np.uint8).astype(np.int32)[None]
-        logits = model(ids[:, :-1], np.arange(ids.shape[1] - 1, dtype=np.int32)[None])
-        lp = np.asarray(token_logprobs(logits, ids[:, 1:]))[0]
-        out.append(lp[len(prompt) - 1 :])
-    return out
+    """log p(completion token) under `model`, per rollout (what a sampler would report): every
+    rollout in one compiled forward, each padded at its end (attention is causal, so what
+    follows a rollout does not change its log-probs)."""
+    seqs = [
+        np.frombuffer(prompt + completion, np.uint8).astype(np.int32) for prompt, completion in rows
+    ]
+    ids = np.zeros((len(seqs), max(len(s) for s in seqs)), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    lp = np.asarray(_next_token_logprobs(model, ids))
+    return [row[len(p) - 1 : len(s) - 1] for row, (p, _), s in zip(lp, rows, seqs, strict=True)]
+
+
+@nnx.jit
+def _next_token_logprobs(model, ids: jax.Array) -> jax.Array:
+    """log p(ids[:, t + 1]) given ids[:, : t + 1], for every row and position t."""
+    rows, length = ids.shape[0], ids.shape[1] - 1
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
+    return token_logprobs(model(ids[:, :-1], positions), ids[:, 1:])
 
 
 def _initial_model(cfg_dict: dict):
@@ -407,21 +419,20 @@ def test_clipped_pg_on_two_hosts_matches_one(pg_data, tmp_path):
     """Each host reads only its rows of each rollout batch; the losses are the one-host run's."""
     from multihost import run_hosts
 
-    results = {}
-    for name, procs, mesh in (("p1", 1, {}), ("p2", 2, {"fsdp": 2})):
-        cfg = _pg_cfg(pg_data["manifest"], str(tmp_path / name), run_id="mh", mesh=mesh,
-                      training={"target_tokens": 32 * 4 * 6}, evals=[],
-                      runtime={"host_loss_timeout_s": 20, "boot_timeout_s": 60})  # fmt: skip
-        path = write_config(tmp_path / f"{name}.toml", cfg)
-        env = {"JAXJOB_RUN_ID": "mh", "JAXJOB_ATTEMPT": "0"}
-        if procs == 1:
-            env.update(
-                {"JAXJOB_COORDINATOR": "", "JAXJOB_NUM_PROCESSES": "", "JAXJOB_PROCESS_ID": ""}
-            )
-        for r in run_hosts(["worker", str(path)], procs, 1, env=env, timeout=300):
-            assert r.returncode == 0, f"host {r.process_id}: {r.output[-3000:]}"
-        results[name] = read_jsonl(tmp_path / name / "mh/metrics/train.jsonl")
-    one, two = results["p1"], results["p2"]
+    def config(name: str, mesh: dict) -> dict:
+        return _pg_cfg(pg_data["manifest"], str(tmp_path / name), run_id="mh", mesh=mesh,
+                       training={"target_tokens": 32 * 4 * 6}, evals=[],
+                       runtime={"host_loss_timeout_s": 20, "boot_timeout_s": 60})  # fmt: skip
+
+    # The one-host run in this process: what `runtime worker` trains on one host, without
+    # another process to start.
+    assert _run(config("p1", {}), resume=False).status == "completed"
+    path = write_config(tmp_path / "p2.toml", config("p2", {"fsdp": 2}))
+    env = {"JAXJOB_RUN_ID": "mh", "JAXJOB_ATTEMPT": "0"}
+    for r in run_hosts(["worker", str(path)], 2, 1, env=env, timeout=300):
+        assert r.returncode == 0, f"host {r.process_id}: {r.output[-3000:]}"
+    one = read_jsonl(tmp_path / "p1/mh/metrics/train.jsonl")
+    two = read_jsonl(tmp_path / "p2/mh/metrics/train.jsonl")
     assert [r["batch_hash"] for r in one] == [r["batch_hash"] for r in two]
     for a, b in zip(one, two, strict=True):
         assert a["token_count"] == b["token_count"]

@@ -20,8 +20,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_launch_local import ONE_SCHEDULE  # the train step the suite's 2-host runs share
 
 from runs import ROOT, run_cli, stderr_lines, tiny_config
+
+TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def launch(state: Path, *args: str, env: dict | None = None, timeout: float = 120):
@@ -51,22 +54,25 @@ def local_run(tmp_path_factory, prepared) -> Iterator[dict]:
     state = tmp / "state"
     run = tiny_config(prepared, str(tmp / "runs"), "ignored", mesh={"data": 2},
                       training={"target_tokens": 16 * 8 * 4, "log_every": 1},
-                      evals=[{"name": "val", "split": "validation", "batches": 1}])  # fmt: skip
+                      evals=[{"name": "val", "split": "validation", "batches": 1}],
+                      optimizer=ONE_SCHEDULE)  # fmt: skip
     job = tmp / "human.yaml"
     job.write_text(yaml.safe_dump({"name": "human", "hosts": 2, "max_restarts": 1, "run": run}))
     sub = ok(launch(state, "submit", str(job)))
     run_id = sub.split()[1]
+    # Waited for on the supervisor's own file (polling `launch status` would start a process a
+    # second for the whole run); `launch status` then says how it ended.
+    sup_file = state / "jaxjob" / "runs" / run_id / "supervisor.json"
     try:
         deadline = time.monotonic() + 240
-        while (st := json.loads(ok(launch(state, "status", run_id, "--json"))))["state"] not in (
-            "succeeded", "failed", "cancelled"
-        ):  # fmt: skip
-            assert time.monotonic() < deadline, st
-            time.sleep(1.0)
+        while not (sup_file.exists() and json.loads(sup_file.read_text())["state"] in TERMINAL):
+            assert time.monotonic() < deadline, f"{run_id} did not end in 240 s"
+            time.sleep(0.2)
+        st = json.loads(ok(launch(state, "status", run_id, "--json")))
     finally:
         for path in (state / "jaxjob" / "runs").glob("*/supervisor.json"):
             sup = json.loads(path.read_text())
-            if sup["state"] not in ("succeeded", "failed", "cancelled"):
+            if sup["state"] not in TERMINAL:
                 os.killpg(sup["pid"], 9)
     assert st["state"] == "succeeded", st
     yield {"state": state, "run_id": run_id, "submit": sub, "run_uri": st["run_uri"], "job": job}

@@ -9,6 +9,7 @@ never scan (their layers differ), so they keep building layer by layer.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import jax
@@ -69,6 +70,7 @@ def _rngs(seed: int, impl: str) -> nnx.Rngs:
     return nnx.Rngs(params=jax.random.key(seed, impl=impl))
 
 
+@cache  # the jitted per-layer build is compiled once for the tests that compare with it
 def _jitted(build: Any, cfg: ModelConfig, seed: int, impl: str) -> dict[tuple, np.ndarray]:
     """The model's arrays from a jitted init, as `build_model` runs it."""
 
@@ -87,11 +89,11 @@ CASES = [
 
 
 # Eagerly threefry2x32 (JAX's default) is built under jax.vmap (rbg keys layer by layer); jitted,
-# as build_model runs it, every implementation in a lax.map over the layers.
+# as build_model runs it, every implementation in a lax.map over the layers. Three layers: layer i
+# starts its streams i draws-per-layer on, so layers 1 and 2 check that offset (a single layer
+# takes the same path with offset 0 only).
 @pytest.mark.parametrize(("family", "over"), CASES)
-@pytest.mark.parametrize(
-    ("num_layers", "impl"), [(1, "threefry2x32"), (3, "threefry2x32"), (3, "unsafe_rbg")]
-)
+@pytest.mark.parametrize(("num_layers", "impl"), [(3, "threefry2x32"), (3, "unsafe_rbg")])
 def test_stacked_init_is_the_per_layer_init_bit_for_bit(
     family: str, over: dict[str, Any], num_layers: int, impl: str
 ) -> None:
@@ -119,9 +121,10 @@ def test_default_stream_and_a_later_draw() -> None:
 
 def test_build_model_params_are_the_per_layer_ones() -> None:
     cfg = _cfg("qwen3_moe", 3, tie_word_embeddings=False)
-    parts = build_model(cfg, 0, build_mesh(MeshConfig(), jax.devices()[:1]))
+    parts = build_model(cfg, 3, build_mesh(MeshConfig(), jax.devices()[:1]))
     new = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(parts.params)}
-    old = _jitted(_old_scanned, cfg, 0, str(jax.random.key_impl(jax.random.key(0))))
+    # Seed 3, as the bit-for-bit test's qwen3_moe case: its jitted per-layer build is reused.
+    old = _jitted(_old_scanned, cfg, 3, str(jax.random.key_impl(jax.random.key(0))))
     _assert_same(new, {path: old[path] for path in new})
 
 

@@ -2,55 +2,23 @@
 a 2-host job trains to completion and `status`/`logs` report it; `cancel` checkpoints first.
 
 The dev cluster is one node, so the spec packs both hosts on it (`slurm.hosts_per_node: 2`);
-the script still derives coordinator, process ids and world size from SLURM.
+the script still derives coordinator, process ids and world size from SLURM. The trained and the
+cancelled job are the session's (tests/slurm_cluster.py), which tests/test_slurm_cluster.py
+reads too.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-import yaml
+from slurm_cluster import SlurmRun, job_file, launch
 
-from runs import ROOT, read_jsonl, tiny_config
+from runs import read_jsonl
 
 pytestmark = pytest.mark.slow
-
-
-def launch(state: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_STATE_HOME": str(state), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-
-
-def job_file(tmp: Path, prepared: str, name: str, steps: int, run_id: str | None = None) -> Path:
-    run = tiny_config(prepared, str(tmp / "runs"), "ignored", mesh={"data": 2},
-                      training={"target_tokens": 16 * 8 * steps, "log_every": 1})  # fmt: skip
-    spec = {"name": name, "run": run, "accelerator": "cpu", "hosts": 2, "max_restarts": 0,
-            "slurm": {"hosts_per_node": 2, "time": "00:15:00", "signal_grace_s": 60}}  # fmt: skip
-    if run_id is not None:  # fixed: every submit of it is the same run
-        spec["run_id"] = run_id
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def wait_state(state: Path, run_id: str, want: set[str], timeout: float = 300) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        res = launch(state, "status", run_id, "--json")
-        assert res.returncode == 0, res.stderr
-        info = json.loads(res.stdout)
-        if info["state"] in want:
-            return info
-        assert time.monotonic() < deadline, f"{run_id} still {info['state']}: {info}"
-        time.sleep(1.0)
 
 
 @pytest.fixture
@@ -70,26 +38,17 @@ def submitted(tmp_path) -> Iterator[Callable[[str], str]]:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
 
 
-def test_submit_status_logs_on_slurm(tmp_path, prepared, slurm_cluster, submitted):
-    state = tmp_path / "state"
-    sub = launch(
-        state,
-        "submit",
-        str(job_file(tmp_path, prepared, "sl-ok", 6)),
-        "--backend",
-        "slurm",
-        "--json",
-    )
-    assert sub.returncode == 0, sub.stderr
-    run_id = submitted(sub.stdout)
-    info = wait_state(state, run_id, {"succeeded", "failed", "cancelled"})
+def test_submit_status_logs_on_slurm(slurm_trained: SlurmRun):
+    """The shared 6-step job (tests/slurm_cluster.py), submitted with `launch submit --json`."""
+    state, run_id = slurm_trained.state, slurm_trained.run_id
+    info = slurm_trained.info
     assert info["state"] == "succeeded", info
     logs = launch(state, "logs", run_id, "--all-hosts")
     assert logs.returncode == 0, logs.stderr
     assert "[host 0] step: 6 " in logs.stdout and "[host 1] step: 6 " in logs.stdout
     quiet = launch(state, "logs", run_id).stdout  # the default view: host 0's lines
     assert "[host 0] step: 6 " in quiet and "[host 1] step: " not in quiet
-    final = json.loads((tmp_path / "runs" / run_id / "summaries/final.json").read_text())
+    final = json.loads((slurm_trained.run_dir / "summaries/final.json").read_text())
     assert final["status"] == "completed" and final["steps"] == 6
     listed = json.loads(launch(state, "list", "--json").stdout)
     assert [r["run_id"] for r in listed] == [run_id]
@@ -103,30 +62,20 @@ def test_submit_status_logs_on_slurm(tmp_path, prepared, slurm_cluster, submitte
     assert row[:2] == [run_id, "slurm"] and row[-1] == "succeeded"
 
 
-def test_cancel_on_slurm_checkpoints_first(tmp_path, prepared, slurm_cluster, submitted):
-    state = tmp_path / "state"
-    sub = launch(state, "submit", str(job_file(tmp_path, prepared, "sl-cancel", 100_000)), "--backend", "slurm",
-                 "--json")  # fmt: skip
-    assert sub.returncode == 0, sub.stderr
-    run_id = submitted(sub.stdout)
-    metrics = tmp_path / "runs" / run_id / "metrics/train.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline, launch(state, "status", run_id).stdout
-        time.sleep(0.5)
-    running = launch(state, "status", run_id).stdout.splitlines()
+def test_cancel_on_slurm_checkpoints_first(slurm_cancelled: SlurmRun):
+    """The shared cancelled job (tests/slurm_cluster.py): `launch status` said it ran, `launch
+    cancel` returned once SIGTERM was sent, and the hosts checkpointed before it ended."""
+    running = slurm_cancelled.running.splitlines()
     assert running[1].startswith("state       running  running on "), running
-    res = launch(state, "cancel", run_id, timeout=30)  # returns once SIGTERM is sent
+    res = slurm_cancelled.cancel
     assert res.returncode == 0 and "cancel sent" in res.stdout, res.stderr
-    info = wait_state(state, run_id, {"cancelled", "failed", "succeeded"})
+    info = slurm_cancelled.info
     assert info["state"] == "cancelled", info
-    events = read_jsonl(tmp_path / "runs" / run_id / "events.jsonl")
+    events = read_jsonl(slurm_cancelled.run_dir / "events.jsonl")
     assert events[-1]["event"] == "interrupted"
-    index = json.loads((tmp_path / "runs" / run_id / "checkpoints/index.json").read_text())
-    assert (
-        index["latest"]
-        == json.loads((tmp_path / "runs" / run_id / "summaries/final.json").read_text())["steps"]
-    )
+    index = json.loads((slurm_cancelled.run_dir / "checkpoints/index.json").read_text())
+    final = json.loads((slurm_cancelled.run_dir / "summaries/final.json").read_text())
+    assert index["latest"] == final["steps"]
 
 
 def test_a_second_submit_of_a_running_run_is_refused(tmp_path, prepared, slurm_cluster, submitted):

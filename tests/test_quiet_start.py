@@ -24,10 +24,14 @@ NOISE = re.compile(r"Traceback|cudart|InitializeLog|libtpu|TPU_|plugin configura
 
 
 def user_env() -> dict[str, str]:
-    """This process's environment less what the suite sets for itself (JAX_PLATFORMS, XLA_FLAGS,
-    and the TPU_* values an in-process plan sets for libtpu's compile-only topologies)."""
+    """This process's environment less what the suite sets for itself (JAX_PLATFORMS, a device
+    count in XLA_FLAGS, and the TPU_* values an in-process plan sets for libtpu's compile-only
+    topologies). The suite's fast XLA compile (tests/conftest.py) stays: it prints nothing and
+    plays no part in the platform choice, and it lets the run's compile hit the suite's cache."""
     own = ("JAX_PLATFORMS", "XLA_FLAGS", "ALLOW_MULTIPLE_LIBTPU_LOAD")
-    return {k: v for k, v in os.environ.items() if k not in own and not k.startswith("TPU_")}
+    env = {k: v for k, v in os.environ.items() if k not in own and not k.startswith("TPU_")}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    return env | ({"XLA_FLAGS": " ".join(flags)} if flags else {})
 
 
 def runtime(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from test_launch_local import ROOT, kill_leftovers, launch
+from test_launch_local import ONE_SCHEDULE, ROOT, kill_leftovers, launch
 
 from jobspec.load import merge
 from launch.registry import Registry
@@ -35,7 +37,8 @@ def state(tmp_path):
 
 def job_file(tmp: Path, prepared: str, steps: int, **over) -> Path:
     """One host, run_id fixed: each submit of it is the same run."""
-    over = merge({"training": {"target_tokens": 16 * 8 * steps}}, over)
+    # One decay horizon whatever the length: the runs here share their compiled train step.
+    over = merge({"training": {"target_tokens": 16 * 8 * steps}, "optimizer": ONE_SCHEDULE}, over)
     run = tiny_config(prepared, str(tmp / "runs"), run_id="ignored", **over)
     job = {"name": "rs", "run_id": RUN_ID, "hosts": 1, "max_restarts": 0, "run": run}
     path = tmp / "job.yaml"
@@ -62,12 +65,35 @@ def finished(tmp: Path, prepared: str, state: Path, steps: int) -> None:
     assert line.startswith(f"run {RUN_ID} succeeded: all 1 hosts exited 0, step {steps} of {steps}")
 
 
-def test_a_config_refused_on_resume_fails_the_resubmit(tmp_path, prepared, state):
+@pytest.fixture(scope="module")
+def finished_4(tmp_path_factory, prepared) -> tuple[Path, Path]:
+    """RUN_ID trained to step 4 once for the module: its folder (job, runs, state) and a copy."""
+    root = tmp_path_factory.mktemp("resubmit")
+    folder, copy = root / "run", root / "finished-4"
+    folder.mkdir()
+    finished(folder, prepared, folder / "state", steps=4)
+    shutil.copytree(folder, copy, symlinks=True)
+    return folder, copy
+
+
+@pytest.fixture
+def after_4(finished_4) -> Iterator[Path]:
+    """The folder of RUN_ID just after it finished at step 4 (the earlier submission), restored
+    from the copy at the same path, since the registry and the run's files name their paths:
+    each test resubmits that run without training it again."""
+    folder, copy = finished_4
+    shutil.rmtree(folder)
+    shutil.copytree(copy, folder, symlinks=True)
+    yield folder
+    kill_leftovers(folder / "state")  # a failed test must not leave a run training
+
+
+def test_a_config_refused_on_resume_fails_the_resubmit(after_4, prepared):
     """model.num_layers 2 -> 3 after the run finished (the issue's case: nothing more to train,
     yet the config is one resume refuses): the new attempt exits 2; --wait says so instead of
     the earlier `succeeded`."""
-    finished(tmp_path, prepared, state, steps=4)
-    changed = job_file(tmp_path, prepared, 4, model={"num_layers": 3})
+    state = after_4 / "state"
+    changed = job_file(after_4, prepared, 4, model={"num_layers": 3})
     r = submit_wait(changed, state)
     assert r.returncode == 1, r.stderr[-3000:]
     line = last_line(r)
@@ -92,11 +118,11 @@ def test_a_resubmit_after_a_cancel_trains_to_its_end(tmp_path, prepared, state):
     assert line.startswith(f"run {RUN_ID} succeeded: all 1 hosts exited 0, step 6 of 6,"), line
 
 
-def test_a_resubmit_with_a_larger_target_trains_the_new_steps(tmp_path, prepared, state):
+def test_a_resubmit_with_a_larger_target_trains_the_new_steps(after_4, prepared):
     """target_tokens raised after the run finished: the run resumes and trains on; --wait ends
     with the new final step, not the earlier submission's."""
-    finished(tmp_path, prepared, state, steps=4)
-    r = submit_wait(job_file(tmp_path, prepared, steps=8), state)
+    state = after_4 / "state"
+    r = submit_wait(job_file(after_4, prepared, steps=8), state)
     assert r.returncode == 0, r.stderr[-3000:]
     line = last_line(r)
     assert line.startswith(f"run {RUN_ID} succeeded: all 1 hosts exited 0, step 8 of 8,"), line
@@ -105,11 +131,11 @@ def test_a_resubmit_with_a_larger_target_trains_the_new_steps(tmp_path, prepared
     assert "step: 5 |" in r.stdout and "step: 4 |" not in r.stdout, r.stdout
 
 
-def test_status_right_after_a_resubmit_is_the_new_submission(tmp_path, prepared, state):
+def test_status_right_after_a_resubmit_is_the_new_submission(after_4, prepared):
     """`launch status` between the submit and the supervisor's first write: the new
     submission, pending, at the attempt it starts; no progress from the earlier one's files."""
-    finished(tmp_path, prepared, state, steps=4)
-    r = launch("submit", str(job_file(tmp_path, prepared, steps=8)), state=state)
+    state = after_4 / "state"
+    r = launch("submit", str(job_file(after_4, prepared, steps=8)), state=state)
     assert r.returncode == 0, r.stderr
     st = json.loads(launch("status", RUN_ID, "--json", state=state).stdout)
     assert st["state"] in ("pending", "running"), st

@@ -3,6 +3,9 @@ to completion, and `cancel` makes the hosts checkpoint before the job ends.
 
 Both hosts run as two tasks on one node (`SlurmBackend(hosts_per_node=2)`, CPU only): the script
 derives the coordinator, process ids and world size from SLURM exactly as on a multi-node job.
+The trained and the cancelled job are the session's (tests/slurm_cluster.py, submitted with
+`launch` as tests/test_launch_slurm.py reads them), read here through the backend; the job with
+bad input is submitted here, through `SlurmBackend.submit`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import pytest
 import tomli_w
 import yaml
+from slurm_cluster import SlurmRun
 
 from jobspec.job_spec import JobSpec
 from launch.backend import Handle, Submission
@@ -92,15 +96,15 @@ def _explain(backend: SlurmBackend, handle: Handle) -> str:
     return f"{backend.status(handle)}\n{batch.read_text() if batch.exists() else ''}\n{tail}"
 
 
-def test_two_hosts_train_to_completion(backend, submit, prepared, tmp_path):
-    sub = _submission(tmp_path, prepared, "slurm-train", max_restarts=0)
-    handle = submit(sub, tmp_path / "rundir")
-    assert handle.backend == "slurm" and handle.data["job_id"].isdigit()
-    assert {"job.sbatch", "cfg.toml", "job.yaml"} <= {
-        p.name for p in (tmp_path / "rundir").iterdir()
-    }
+def test_two_hosts_train_to_completion(backend, slurm_trained: SlurmRun):
+    """The session's trained job (tests/slurm_cluster.py: `launch submit`, 6 steps), read
+    through the backend."""
+    handle = Handle("slurm", slurm_trained.handle)
+    assert handle.data["job_id"].isdigit()
+    rundir = Path(handle.data["workdir"])
+    assert {"job.sbatch", "cfg.toml", "job.yaml"} <= {p.name for p in rundir.iterdir()}
 
-    st = _wait(backend, handle, TERMINAL, timeout=180)
+    st = backend.status(handle)
     assert st["state"] == "succeeded", _explain(backend, handle)
 
     lines = list(backend.logs(handle))
@@ -112,7 +116,7 @@ def test_two_hosts_train_to_completion(backend, submit, prepared, tmp_path):
     followed = list(backend.logs(handle, host=0, follow=True))  # the job has ended: returns
     assert followed == [ln for ln in lines if ln.startswith("[host 0] ")]
 
-    run_dir = tmp_path / "runs" / "slurm-train"
+    run_dir = slurm_trained.run_dir
     final = json.loads((run_dir / "summaries" / "final.json").read_text())
     assert final["status"] == "completed"
     runtime = json.loads((run_dir / "diagnostics" / "runtime.json").read_text())
@@ -122,30 +126,18 @@ def test_two_hosts_train_to_completion(backend, submit, prepared, tmp_path):
     assert boot["coordinator"].endswith(f":{port}"), boot
 
 
-def test_cancel_checkpoints_then_ends_cancelled(backend, submit, prepared, tmp_path):
-    long = {"target_tokens": 16 * 8 * 100_000}
-    # Restarts allowed: the hosts exit 42 (restartable), and the cancel must still not requeue.
-    sub = _submission(tmp_path, prepared, "slurm-cancel", max_restarts=2, training=long)
-    handle = submit(sub, tmp_path / "rundir")
-    metrics = tmp_path / "runs" / "slurm-cancel" / "metrics" / "train.jsonl"
-    deadline = time.monotonic() + 600  # bounds a hang only: the loop waits for the rows
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline, _explain(backend, handle)
-        assert backend.status(handle)["state"] in ("pending", "running"), _explain(backend, handle)
-        time.sleep(0.5)
-
-    backend.cancel(handle, grace_s=90)
-    # Checkpointing and stopping take seconds; the wait is past the grace, for a loaded machine
-    # (SLURM's own kill after the grace can take its time to be reported).
-    st = _wait(backend, handle, TERMINAL, timeout=300)
+def test_cancel_checkpoints_then_ends_cancelled(backend, slurm_cancelled: SlurmRun):
+    """The session's cancelled job (tests/slurm_cluster.py): restarts were allowed and the hosts
+    exit 42 (restartable) on the cancel's SIGTERM, yet the job is not requeued."""
+    handle = Handle("slurm", slurm_cancelled.handle)
+    st = backend.status(handle)
     assert st["state"] == "cancelled", _explain(backend, handle)
     assert st.get("attempt", 0) == 0, st  # not requeued
 
-    events = [e["event"] for e in read_jsonl(tmp_path / "runs" / "slurm-cancel" / "events.jsonl")]
+    events = [e["event"] for e in read_jsonl(slurm_cancelled.run_dir / "events.jsonl")]
     assert "interrupted" in events, events
-    codes = sorted(
-        p.read_text().strip() for p in (tmp_path / "rundir" / "exit" / "attempt-0").iterdir()
-    )
+    exits = Path(handle.data["workdir"]) / "exit" / "attempt-0"
+    codes = sorted(p.read_text().strip() for p in exits.iterdir())
     assert codes == ["42", "42"], _explain(backend, handle)
 
 

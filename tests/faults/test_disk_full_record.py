@@ -20,6 +20,9 @@ from runs import ROOT, read_jsonl, run_cli, stderr_lines, tiny_config, write_con
 
 HANG_S = 600  # bounds only a hang: every wait below is for an event
 STEPS = 100_000  # the run ends only when the disk is full
+# ... and its schedule decays over the suite's 20 tiny steps: the one train step program XLA
+# compiles once per session (its persistent cache), not one more for 100,000 steps.
+SCHEDULE = {"schedule": {"decay_steps": 20}}
 
 
 def _start(tmp_path: Path, cfg: dict) -> tuple[subprocess.Popen, Path, Path]:
@@ -83,7 +86,7 @@ def test_checkpoint_on_a_full_disk_is_one_sentence(tmp_path, prepared, small_fs)
     (tmp_path / "metrics").mkdir()
     (run_dir / "metrics").symlink_to(tmp_path / "metrics")
     cfg = tiny_config(prepared, disk, "full", checkpoint={"every": 5, "keep": 2, "async": True},
-                      training={"target_tokens": 16 * 8 * STEPS})  # fmt: skip
+                      training={"target_tokens": 16 * 8 * STEPS}, optimizer=SCHEDULE)  # fmt: skip
     proc, _, err = _start(tmp_path, cfg)
     try:
         index = run_dir / "checkpoints" / "index.json"
@@ -109,7 +112,8 @@ def test_a_disk_with_no_room_left_still_records_failed(tmp_path, prepared, small
     # a new file: before the fix it stayed `running` and inspect said so).
     disk = small_fs("4m")
     run_dir = Path(disk) / "nospace"
-    cfg = tiny_config(prepared, disk, "nospace", training={"target_tokens": 16 * 8 * STEPS})
+    cfg = tiny_config(prepared, disk, "nospace", training={"target_tokens": 16 * 8 * STEPS},
+                      optimizer=SCHEDULE)  # fmt: skip
     proc, _, err = _start(tmp_path, cfg)
     try:
         rows = run_dir / "metrics" / "train.jsonl"
@@ -132,9 +136,12 @@ def _write(run_dir: Path, manifest: dict, events: list[dict]) -> None:
 
 
 def _status(run_dir: Path) -> tuple[dict, dict]:
-    ins = run_cli("inspect", str(run_dir), "--json")
-    assert ins.returncode == 0, ins.stderr
-    return json.loads(ins.stdout), read_progress(str(run_dir))
+    """What `runtime inspect --json` prints (its report, read in this process: the command
+    itself is run below) and what `launch status` reads."""
+    from runtime.run.inspect import inspect_run
+
+    report = json.loads(json.dumps(inspect_run(str(run_dir)), default=str))
+    return report, read_progress(str(run_dir))
 
 
 def test_a_manifest_left_running_under_a_recorded_failure_reads_failed(tmp_path) -> None:

@@ -39,6 +39,10 @@ from runtime.host.hostlog import LOG_DEFER_BYTES
 from runs import ROOT, read_jsonl, tiny_config, write_config
 
 WARNING = "dropping log lines until it can be written"
+# Both trained jobs here decay over 20 steps, whatever they train: one two-host train step
+# program, compiled once per session (XLA's persistent cache) instead of once per length.
+SCHEDULE = {"schedule": {"decay_steps": 20}}
+TERMINAL = ("succeeded", "failed", "cancelled")
 
 # A host program without jax: tees its output to argv[1] and prints argv[2] bytes of numbered
 # lines to stdout and stderr; with argv[3] (a filler file), frees the disk and prints a line
@@ -147,6 +151,7 @@ def test_one_hosts_full_log_disk_does_not_stop_training(small_fs, tmp_path, prep
 
     def run(name: str, full_log: bool) -> list[float]:
         over = {"mesh": {"data": 2}, "training": {"target_tokens": 16 * 8 * steps},
+                "optimizer": SCHEDULE,
                 "runtime": {"host_loss_timeout_s": 20, "boot_timeout_s": 60}}  # fmt: skip
         cfg = write_config(tmp_path / f"{name}.toml",
                            tiny_config(prepared, str(tmp_path / "runs"), run_id=name, **over))  # fmt: skip
@@ -181,7 +186,7 @@ def test_frozen_writer_ends_the_attempt_with_43_and_the_job_restarts(tmp_path, p
     timeout_s, steps = 5, 10
     job = write_job(
         tmp_path, prepared, "frozen", steps=steps, checkpoint={"every": 2, "keep": 2},
-        runtime={"host_loss_timeout_s": timeout_s, "boot_timeout_s": 60},
+        optimizer=SCHEDULE, runtime={"host_loss_timeout_s": timeout_s, "boot_timeout_s": 60},
     )  # fmt: skip
     spec = yaml.safe_load(job.read_text())
     job.write_text(yaml.safe_dump({**spec, "max_restarts": 1}))
@@ -225,11 +230,13 @@ def test_frozen_writer_ends_the_attempt_with_43_and_the_job_restarts(tmp_path, p
             in (logs / f"host-{other}.log").read_text()
         )
 
-    final = wait_for(
-        lambda: (s := status(run_id, state))["state"] in ("succeeded", "failed") and s,
+    # The supervisor's own file, not `launch status` (a process per look) until the run ends.
+    wait_for(
+        lambda: supervisor_state(state, run_id)["state"] in TERMINAL,
         240,
         "the restarted run to end",
     )
+    final = status(run_id, state)
     assert final["state"] == "succeeded", final
     assert final["backend_status"]["restarts"] == 1
     human = launch("status", run_id, state=state).stdout

@@ -40,6 +40,9 @@ from launch.state import utc_now
 from runs import ROOT, read_jsonl
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+# The trained job decays over 20 steps however long it could train: the suite's two-host train
+# step program, compiled once per session (XLA's persistent cache), not once more for 5,000.
+SCHEDULE = {"schedule": {"decay_steps": 20}}
 
 # The process states come from /proc, and hosts learn of their supervisor's death from Linux.
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux")
@@ -76,7 +79,7 @@ def test_a_stopped_host_is_named_and_the_attempt_ends_43(tmp_path, prepared, sta
     """Host 1 is SIGSTOPped mid-training: host 0's watchdog ends it with 43 (not a JAX abort),
     and the supervisor's sentence, its attempt record and the run's events name host 1."""
     job = write_job(
-        tmp_path, prepared, "stall", steps=5000, training={"log_every": 1},
+        tmp_path, prepared, "stall", steps=5000, training={"log_every": 1}, optimizer=SCHEDULE,
         runtime={"host_loss_timeout_s": 5, "boot_timeout_s": 60},
     )  # fmt: skip
     spec = yaml.safe_load(job.read_text())
@@ -130,7 +133,9 @@ def test_jax_gives_a_stopped_host_up_no_sooner_than_boots_heartbeat_timeout():
     just after its first heartbeat, and JAX gives it up one JAX timeout after that heartbeat:
     about `beat` s when JAX's timeout was heartbeat_timeout_s itself (half that in another
     phase), about twice `beat` now."""
-    beat = 16
+    # Measured under load: aborted 2 x beat (+0.5 s) after the stop; the bound, 1.5 x beat,
+    # leaves beat / 2 (5 s) for the lag between host 1's heartbeat and the test's SIGSTOP.
+    beat = 10
     with Hosts([sys.executable, "-c", BOOT_AND_WAIT, str(beat)], 2, 1) as hosts:
         for i in (0, 1):
             hosts.wait_for_output(i, "READY", timeout=120)

@@ -23,11 +23,16 @@ import pytest
 
 from jobspec.errors import RunOwnedError
 from jobspec.storage import parted_exists, read_parted, url_to_fs
+from launch.backend import TERMINAL
 from runtime.run.owner import OwnerRecord, takeover_reason
 
 from runs import ROOT, run_cli, stderr_lines, tiny_config, write_config
 
 STEPS = 20
+# Every run here decays its schedule over the suite's 20 tiny steps, however long it may train:
+# one train step program, which XLA compiles once per session (the persistent cache), where a
+# schedule over 400 or 100,000 steps would be a program (a compile) of its own.
+SCHEDULE = {"schedule": {"decay_steps": STEPS}}
 
 
 def _record(**over) -> OwnerRecord:
@@ -74,7 +79,7 @@ def _race(root: str, q, start, done) -> None:
         q.put(("refused", str(e)))
 
 
-def _race_many(root: str, n: int = 4) -> list[tuple[str, str]]:
+def _race_many(root: str, n: int) -> list[tuple[str, str]]:
     ctx = multiprocessing.get_context("spawn")
     q, start, done = ctx.Queue(), ctx.Barrier(n), ctx.Event()
     procs = [ctx.Process(target=_race, args=(root, q, start, done)) for _ in range(n)]
@@ -94,14 +99,37 @@ def _write_record(root: str, rec: OwnerRecord) -> None:
     fs.pipe_file(f"{path.rstrip('/')}/owner.json", rec.to_bytes())
 
 
-@pytest.mark.parametrize("where", ["local", pytest.param("gs", marks=pytest.mark.gcs)])
-def test_one_of_many_takers_of_a_stale_claim_wins(where, tmp_path, request):
-    root = str(tmp_path / "run") if where == "local" else request.getfixturevalue("gs_run_uri")
+PLACES = ["local", pytest.param("gs", marks=pytest.mark.gcs)]
+
+
+def _place(request: pytest.FixtureRequest, tmp_path: Path, gs_fixture: str) -> tuple[str, str]:
+    """("local" or "gs", a fresh URI there), resolved while the test is set up: the emulator's
+    session fixture, first started from a test's body, would export its address for that body
+    only (tests/conftest.py restores os.environ after each call)."""
+    if request.param == "local":
+        return "local", str(tmp_path / "runs")
+    return "gs", request.getfixturevalue(gs_fixture)
+
+
+@pytest.fixture(params=PLACES)
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    return _place(request, tmp_path, "gs_run_uri")
+
+
+@pytest.fixture(params=PLACES)
+def orbax_place(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    return _place(request, tmp_path, "orbax_gs_run_uri")
+
+
+def test_one_of_many_takers_of_a_stale_claim_wins(place):
+    where, root = place
     if where == "local":
         os.makedirs(root)
     _write_record(root, _record(host="elsewhere", pid=1, renewed_epoch=time.time() - 600))
-    results = _race_many(root)
-    assert sorted(r[0] for r in results) == ["refused"] * 3 + ["won"], results
+    # Three takers, all past one barrier (a process each: the lock and the upload race as
+    # across hosts); a fourth would take the same paths.
+    results = _race_many(root, 3)
+    assert sorted(r[0] for r in results) == ["refused"] * 2 + ["won"], results
     winner = next(r[1] for r in results if r[0] == "won")
     assert all(f"pid {winner}" in r[1] for r in results if r[0] == "refused"), results
     fs, path = url_to_fs(root)
@@ -153,18 +181,28 @@ def _freeze(proc: subprocess.Popen, root: str, timeout: float = 60) -> dict[str,
 
 
 def _cfg(tmp_path: Path, prepared: str, uri: str, **over) -> Path:
-    base = {"training": {"target_tokens": 16 * 8 * STEPS}, "checkpoint": {"every": 10}}
+    base = {"training": {"target_tokens": 16 * 8 * STEPS}, "checkpoint": {"every": 10},
+            "optimizer": SCHEDULE}  # fmt: skip
     return write_config(tmp_path / "cfg.toml", tiny_config(prepared, uri, **{**base, **over}))
 
 
-def _start(cfg: Path, *args: str) -> subprocess.Popen:
+def _start(cfg: Path, *args: str, stderr=subprocess.PIPE) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "runtime", "local", str(cfg), *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
     )
+
+
+def _wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until `text` is in the file `proc` writes its stderr to."""
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert proc.poll() is None, path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {text!r} in time: {path.read_text()[-3000:]}"
+        time.sleep(0.05)
 
 
 def _wait_for_rows(root: str, rows: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -188,11 +226,8 @@ def _losses(root: str) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows]
 
 
-@pytest.mark.parametrize("where", ["local", pytest.param("gs", marks=pytest.mark.gcs)])
-def test_second_process_on_a_run_is_refused_and_changes_nothing(where, tmp_path, prepared, request):
-    uri = (
-        str(tmp_path / "runs") if where == "local" else request.getfixturevalue("orbax_gs_run_uri")
-    )
+def test_second_process_on_a_run_is_refused_and_changes_nothing(orbax_place, tmp_path, prepared):
+    where, uri = orbax_place
     # The first run would train for hours: it is still training (and owns the run) whenever the
     # test freezes it, however late a loaded machine lets the test look; SIGTERM ends it after.
     cfg = _cfg(tmp_path, prepared, uri, training={"target_tokens": 16 * 8 * 100_000})
@@ -252,12 +287,17 @@ def test_dead_owners_claim_is_taken_over(tmp_path, prepared):
     assert sorted(p.name for p in root.iterdir()) == [".owner.lock", "owner.json"]
 
     _write_record(str(root), _record(host="gpu-node-7", pid=4242, renewed_epoch=time.time() - 61))
-    first = _start(cfg)
+    err_path = tmp_path / "first.stderr"
+    with open(err_path, "w") as err_file:
+        first = _start(cfg, stderr=err_file)
     try:
-        _wait_for_rows(str(root), 1, first)
+        # It owns the run once it says so (the note comes after the claim is written); a kill
+        # then leaves the claim as one in the middle of a step would, with nothing compiled.
+        _wait_for_text(err_path, "note: run 't': took over", first)
     finally:
         first.kill()  # SIGKILL: no release, and its lease (60 s) is still fresh
-        _, err = first.communicate()
+        first.communicate()
+    err = err_path.read_text()
     assert "took over from host gpu-node-7 pid 4242: its lease was last renewed" in err
     assert json.loads((root / "owner.json").read_text())["pid"] == first.pid
 
@@ -288,7 +328,7 @@ def test_restarted_attempt_succeeds_the_killed_writer(tmp_path, prepared):
 
     state = tmp_path / "state"
     job = write_job(
-        tmp_path, prepared, "own", steps=60, training={"log_every": 10},
+        tmp_path, prepared, "own", steps=60, training={"log_every": 10}, optimizer=SCHEDULE,
         checkpoint={"every": 10, "keep": 2}, runtime={"host_loss_timeout_s": 5},
     )  # fmt: skip
     try:
@@ -302,11 +342,13 @@ def test_restarted_attempt_succeeds_the_killed_writer(tmp_path, prepared):
         claim = json.loads((run_uri / "owner.json").read_text())
         assert claim["pid"] == st["hosts"][0]["pid"] and claim["submission_id"].startswith("local-")
         os.kill(st["hosts"][0]["pid"], signal.SIGKILL)
-        final = wait_for(
-            lambda: (s := status(run_id, state))["state"] in ("succeeded", "failed") and s,
+        # The supervisor's own file, not `launch status` (a process per look) until it ends.
+        wait_for(
+            lambda: (supervisor_state(state, run_id) or {}).get("state") in TERMINAL,
             240,
             "the restarted run to end",
         )
+        final = status(run_id, state)
     finally:
         kill_leftovers(state)
     assert final["state"] == "succeeded", final

@@ -266,10 +266,11 @@ def test_a_data_server_that_stops_answering_ends_the_run_within_the_retry_budget
     fs, path = url_to_fs(f"{gs_run_uri}/data")
     fs.put(str(Path(prepared).parent) + "/", path, recursive=True)
     proxy = stalling(when=FIRST_METRICS_UPLOAD, only=SHARD_READ)
-    # Steps enough that reads go on after the first upload, whatever the loader prefetched.
+    # Steps enough that reads go on after the first upload, whatever the loader prefetched;
+    # decaying over the suite's 20 tiny steps keeps the one train step program XLA has cached.
     proc = _start(
         tmp_path, f"{gs_run_uri}/data/manifest.json", gs_run_uri, "d4", proxy, retry_s=4,
-        training={"target_tokens": 16 * 8 * 400},
+        training={"target_tokens": 16 * 8 * 400}, optimizer={"schedule": {"decay_steps": 20}},
     )  # fmt: skip
     stalled = _wait_stalled(proc, proxy)
     code, err, took = _ended(proc, stalled)

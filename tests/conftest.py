@@ -65,6 +65,10 @@ def _end_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+#: What session fixtures export to every later test (set and cleared by the fixtures).
+SESSION_EXPORTS: dict[str, str] = {}
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     """What a test's body sets in os.environ ends with it: commands run in-process set variables
@@ -79,6 +83,8 @@ def pytest_runtest_call(item: pytest.Item):
         if dict(os.environ) != saved:
             os.environ.clear()
             os.environ.update(saved)
+            # A session fixture first requested in the body (getfixturevalue) keeps its exports.
+            os.environ.update(SESSION_EXPORTS)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
@@ -207,13 +213,22 @@ def gcs_emulator() -> Iterator[GcsEmulator]:
         )
         try:
             _wait_until_up(proc, f"{host}/storage/v1/b")
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("STORAGE_EMULATOR_HOST", host)
-                mp.setenv("TENSORSTORE_GCS_HTTP_URL", host)
+            exports = {
+                "STORAGE_EMULATOR_HOST": host,
+                "TENSORSTORE_GCS_HTTP_URL": host,
                 # gcsfs otherwise first tries a gRPC bucket-layout call no emulator answers.
-                mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-                mp.setenv("EPATH_USE_TF", "false")
-                yield GcsEmulator(f"gs://{GCS_TEST_BUCKET}", name, name == "fake-gcs-server")
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+                "EPATH_USE_TF": "false",
+            }
+            with pytest.MonkeyPatch.context() as mp:
+                for key, value in exports.items():
+                    mp.setenv(key, value)
+                SESSION_EXPORTS.update(exports)
+                try:
+                    yield GcsEmulator(f"gs://{GCS_TEST_BUCKET}", name, name == "fake-gcs-server")
+                finally:
+                    for key in exports:
+                        SESSION_EXPORTS.pop(key, None)
         finally:
             proc.terminate()
             try:

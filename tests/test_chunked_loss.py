@@ -4,6 +4,7 @@ heads end to end, and a compiled train step that holds no [rows, T, vocab] float
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -75,6 +76,14 @@ def _chunked(h, w, x, objective, chunk):
     )
 
 
+@functools.cache
+def _whole_reference(objective: str, seed: int) -> tuple:
+    """The whole-logits loss and gradients of `_arrays(seed)`, computed once per objective for
+    every chunk size compared with it."""
+    x = _arrays(seed)
+    return _value_and_grads(lambda h, w: _whole(h, w, x, objective), x)
+
+
 def _value_and_grads(fn, x):
     def loss(h, w):
         s, c, k = fn(h, w)
@@ -89,7 +98,7 @@ def _value_and_grads(fn, x):
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_chunked_equals_whole_logits(objective, chunk):
     x = _arrays(0)
-    ref = _value_and_grads(lambda h, w: _whole(h, w, x, objective), x)
+    ref = _whole_reference(objective, 0)
     got = _value_and_grads(lambda h, w: _chunked(h, w, x, objective, chunk), x)
     r_sum, r_count, r_clipped, r_gh, r_gw = ref
     g_sum, g_count, g_clipped, g_gh, g_gw = got
@@ -150,8 +159,10 @@ def test_bf16_head_gradient_accumulates_in_fp32():
 
     ref = grad_w(h.astype(jnp.float32), w.astype(jnp.float32), 0)
     whole, chunked = grad_w(h, w, 0), grad_w(h, w, 64)
-    # The gradient still comes back in the head's own dtype.
-    g = jax.grad(lambda ww: hidden_loss_sums(h, ww, targets, mask, chunk_size=64)[0])(w)
+    # The gradient still comes back in the head's own dtype (its shape and dtype, not run).
+    g = jax.eval_shape(
+        jax.grad(lambda ww: hidden_loss_sums(h, ww, targets, mask, chunk_size=64)[0]), w
+    )
     assert g.dtype == jnp.bfloat16
 
     def err(g):
@@ -160,10 +171,12 @@ def test_bf16_head_gradient_accumulates_in_fp32():
     assert err(chunked) <= 2.0 * err(whole), (err(chunked), err(whole))
 
 
-def _tiny(tie: bool, vocab: int = 48, seq: int = 64) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=64, max_position_embeddings=seq,
-                       tie_word_embeddings=tie)  # fmt: skip
+def _tiny(tie: bool, vocab: int = 48, seq: int = 64, layers: int = 1) -> ModelConfig:
+    """One unrolled layer unless asked: the loss under test sits after the layers, and one
+    layer compiles in half the time of two scanned."""
+    return ModelConfig(vocab_size=vocab, hidden_size=32, num_layers=layers, num_heads=4,
+                       num_kv_heads=2, intermediate_size=64, max_position_embeddings=seq,
+                       tie_word_embeddings=tie, scan_layers=layers > 1)  # fmt: skip
 
 
 def _batch(cfg: ModelConfig, accum: int, rows: int, seq: int, seed: int) -> dict[str, jax.Array]:
@@ -217,12 +230,20 @@ def test_end_to_end_params_gradient(tie, objective):
         )
         return s, (c, k)
 
-    (r_s, (r_c, r_k)), r_g = jax.jit(jax.value_and_grad(reference, has_aux=True))(parts.params)
+    chunks = (5, 4)  # a remainder chunk; chunks that divide T
+
+    @jax.jit
+    def all_grads(params):  # one program for the reference and both chunk sizes
+        ref = jax.value_and_grad(reference, has_aux=True)(params)
+        return ref, [
+            jax.value_and_grad(functools.partial(chunked, chunk=c), has_aux=True)(params)
+            for c in chunks
+        ]
+
+    ((r_s, (r_c, r_k)), r_g), got = all_grads(parts.params)
     if objective == "clipped_pg":
         assert 0 < float(r_k) < float(r_c)
-    for chunk in (5, 4):  # a remainder chunk; chunks that divide T
-        fn = jax.jit(jax.value_and_grad(lambda p, c=chunk: chunked(p, c), has_aux=True))
-        (s, (c, k)), g = fn(parts.params)
+    for chunk, ((s, (c, k)), g) in zip(chunks, got, strict=True):
         assert (float(c), float(k)) == (float(r_c), float(r_k))
         np.testing.assert_allclose(float(s), float(r_s), rtol=1e-6)
         for (path, a), b in zip(tree_leaves_with_path(r_g), jax.tree.leaves(g), strict=True):
@@ -245,14 +266,25 @@ def test_train_and_eval_steps_chunked_match_whole(objective):
     batch = _batch(cfg, 2, 2, 12, seed=4)
     tx = optax.sgd(0.5)
     sh = state_shardings(parts, tx, mesh)
-    out = {}
-    for chunk in (0, 5):
-        step = make_train_step(
-            parts.graphdef, tx, optax.constant_schedule(0.5), objective, EPS, loss_chunk_size=chunk
-        )
-        state, metrics = jax.jit(step)(new_state(parts, tx, sh, seed=0), batch)
-        ev = jax.jit(make_eval_step(parts.graphdef, chunk))(parts.params, parts.others, batch)
-        out[chunk] = (jax.device_get(metrics), jax.device_get(state.params), jax.device_get(ev))
+
+    @jax.jit
+    def both(state, params, others, batch):  # one program for both chunk sizes' steps
+        out = {}
+        for chunk in (0, 5):
+            step = make_train_step(
+                parts.graphdef,
+                tx,
+                optax.constant_schedule(0.5),
+                objective,
+                EPS,
+                loss_chunk_size=chunk,
+            )
+            new, metrics = step(state, batch)
+            ev = make_eval_step(parts.graphdef, chunk)(params, others, batch)
+            out[chunk] = (metrics, new.params, ev)
+        return out
+
+    out = jax.device_get(both(new_state(parts, tx, sh, seed=0), parts.params, parts.others, batch))
     (m0, p0, e0), (m5, p5, e5) = out[0], out[5]
     assert m5["token_count"] == m0["token_count"] == e5["token_count"] == e0["token_count"]
     for key in ("loss", "grad_norm", "param_norm") + (
@@ -284,8 +316,8 @@ def test_compiled_train_step_holds_no_whole_logits():
     """Compiled (not run): with chunking no float32 buffer as large as [rows, T, V] exists in
     the train step, in any layout ([rows, T, V], [rows * T, V], [chunks, rows, chunk, V]); the
     whole-sequence step has one, and needs several times the temporary memory."""
-    # V large enough that no attention buffer is as large: the scanned layers keep the scores
-    # of both layers, [layers, rows, heads, T, T] = 4M elements here, against 8M logits.
+    # V large enough that no attention buffer is as large: the layer's scores, [rows, heads, T,
+    # T] = 2M elements here (scanned layers stack theirs: 4M for two), against 8M logits.
     rows, seq, vocab = 2, 512, 8192
     cfg = _tiny(tie=True, vocab=vocab, seq=seq)
     mesh = build_mesh(MeshConfig())
@@ -336,10 +368,10 @@ def test_fused_cross_entropy_with_softcap_equals_autodiff(chunk, monkeypatch):
     assert np.abs(plain[4]).max() > 1e-2
 
 
-@pytest.mark.parametrize("chunk", [0, 6, 7])
-def test_bf16_logits_are_the_loss_of_rounded_logits(chunk):
-    """logits_dtype bfloat16: the loss and gradients are those of the float32 loss taken on the
-    logits rounded to bfloat16 (what MaxText computes), whole or chunked, and close to float32's."""
+@functools.cache
+def _rounded_reference() -> tuple:
+    """The float32 loss and gradients on whole logits rounded to bfloat16, of `_arrays(2)`
+    (once for every chunk size compared with it)."""
     x = _arrays(2)
 
     def rounded(h, w):
@@ -350,12 +382,21 @@ def test_bf16_logits_are_the_loss_of_rounded_logits(chunk):
         logits = logits + jax.lax.stop_gradient(rounded - logits)
         return (*cross_entropy_sums(logits, x["targets"], x["mask"]), jnp.zeros(()))
 
+    return _value_and_grads(rounded, x)
+
+
+@pytest.mark.parametrize("chunk", [0, 6, 7])
+def test_bf16_logits_are_the_loss_of_rounded_logits(chunk):
+    """logits_dtype bfloat16: the loss and gradients are those of the float32 loss taken on the
+    logits rounded to bfloat16 (what MaxText computes), whole or chunked, and close to float32's."""
+    x = _arrays(2)
+
     def ours(dtype):
         return lambda h, w: hidden_loss_sums(  # noqa: E731
             h, w, x["targets"], x["mask"], chunk_size=chunk, logits_dtype=dtype
         )
 
-    ref = _value_and_grads(rounded, x)
+    ref = _rounded_reference()
     got = _value_and_grads(ours("bfloat16"), x)
     full = _value_and_grads(ours("float32"), x)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)

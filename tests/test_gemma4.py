@@ -104,6 +104,41 @@ def imported(path: Path, **over):
     return cfg, nnx.merge(parts.graphdef, parts.params, *parts.others)
 
 
+@nnx.jit
+def forward(model, ids, positions, segment_ids=None):
+    return model(ids, positions, segment_ids)
+
+
+@nnx.jit
+def decode(model, ids, positions, cache):
+    return model.decode(ids, positions, cache)
+
+
+def logits_of(model, batch: np.ndarray) -> np.ndarray:
+    """Our logits for `batch`, one compiled program per model and shape. (The parity cases call
+    the model op by op instead: their models share most ops' shapes, so each op compiles once
+    for all ten, where a program would compile per case.)"""
+    return np.asarray(forward(model, jnp.asarray(batch), positions_of(batch)))
+
+
+_BUILT: dict[str, tuple] = {}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """case -> (cfg, our imported model, its logits on BATCH): each case's HF model is made and
+    imported once for the tests that only read it."""
+
+    def get(case: str) -> tuple:
+        if case not in _BUILT:
+            cfg, model = imported(hf_model(tmp_path_factory.mktemp(case), **CASES[case]))
+            _BUILT[case] = (cfg, model, logits_of(model, BATCH))
+        return _BUILT[case]
+
+    yield get
+    _BUILT.clear()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_logit_parity_and_exact_round_trip(tmp_path, case):
     src = hf_model(tmp_path / "hf", **CASES[case])
@@ -201,13 +236,12 @@ def test_other_tools_config_form_and_ignored_shared_kv_tensors(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["sliding-full", "all-on"])
-def test_parameter_count_matches_the_model_and_transformers(tmp_path, case):
+def test_parameter_count_matches_the_model_and_transformers(built, case):
     config = hf_config(**CASES[case])
     hf = transformers.Gemma4ForCausalLM(config)
     buffers = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("layer_scalar"))
     hf_total = sum(p.numel() for p in hf.parameters()) + buffers
-    src = hf_model(tmp_path / "hf", **CASES[case])
-    cfg, model = imported(src)
+    cfg, model, _ = built(case)
     ours = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     counts = parameter_counts(cfg)
     assert counts["total"] == ours == hf_total
@@ -225,17 +259,19 @@ def _packed_row(model, a: list[int], b: list[int]) -> tuple[np.ndarray, np.ndarr
     ids = np.array([a + b], np.int32)
     pos = np.array([list(range(len(a))) + list(range(len(b)))], np.int32)
     seg = np.array([[1] * len(a) + [2] * len(b)], np.int32)
-    packed = np.asarray(model(jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg)))
-    alone = [
-        np.asarray(model(jnp.asarray([d]), jnp.asarray([list(range(len(d)))]))) for d in (a, b)
-    ]
-    return packed, alone[0], alone[1]
+    packed = np.asarray(forward(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg)))
+    # Each document alone, as a row of a right-padded batch (causal: the padding after a
+    # document never reaches its logits; one shape, one compile).
+    alone = np.zeros((2, ids.shape[1]), np.int32)
+    alone[0, : len(a)], alone[1, : len(b)] = a, b
+    logits = logits_of(model, alone)
+    return packed, logits[:1, : len(a)], logits[1:, : len(b)]
 
 
-def test_packed_documents_stay_apart_on_every_layer_type(tmp_path):
+def test_packed_documents_stay_apart_on_every_layer_type(built):
     """Two documents in one row (sliding, full and KV-shared layers, window 4 shorter than each)
     give exactly the logits each document gets alone."""
-    _, model = imported(hf_model(tmp_path / "hf", **CASES["all-on"]))
+    _, model, _ = built("all-on")
     a, b = [5, 9, 77, 3, 120, 64, 2], [100, 42, 42, 7, 19, 88]
     packed, alone_a, alone_b = _packed_row(model, a, b)
     assert np.max(np.abs(packed[0, : len(a)] - alone_a[0])) < 1e-5
@@ -244,22 +280,21 @@ def test_packed_documents_stay_apart_on_every_layer_type(tmp_path):
 
 @pytest.mark.parametrize("case", ["sliding-full", "kv-shared", "all-on"])
 @pytest.mark.parametrize("prefill", [6, 2])
-def test_cached_decode_equals_the_full_forward(tmp_path, case, prefill):
+def test_cached_decode_equals_the_full_forward(built, case, prefill):
     """Prefill then one token at a time through the cache (sliding ring of 4 slots, a 10-token
     sequence, KV-shared layers reading their source's keys) gives the no-cache logits."""
-    _, model = imported(hf_model(tmp_path / "hf", **CASES[case]))
-    row = BATCH[:1]
-    full = np.asarray(model(jnp.asarray(row), positions_of(row)))
+    _, model, logits = built(case)
+    row, full = BATCH[:1], logits[:1]
     cache = model.init_cache(1, row.shape[1])
     shapes = [tuple(k.shape[1:3]) for k in cache.k]
     assert (WINDOW, 2) in shapes  # a sliding layer keeps a window's ring, not the sequence
     assert len(cache.k) == sum(1 for i, s in enumerate(model.sources) if s == i)
-    logits, cache = model.decode(
-        jnp.asarray(row[:, :prefill]), positions_of(row[:, :prefill]), cache
+    logits, cache = decode(
+        model, jnp.asarray(row[:, :prefill]), positions_of(row[:, :prefill]), cache
     )
     worst = float(np.max(np.abs(np.asarray(logits) - full[:, :prefill])))
     for t in range(prefill, row.shape[1]):
-        step, cache = model.decode(jnp.asarray(row[:, t : t + 1]), jnp.asarray([[t]]), cache)
+        step, cache = decode(model, jnp.asarray(row[:, t : t + 1]), jnp.asarray([[t]]), cache)
         worst = max(worst, float(np.max(np.abs(np.asarray(step)[:, 0] - full[:, t]))))
     assert worst < 1e-5, worst
 
@@ -321,12 +356,15 @@ def test_cli_names_a_bad_gemma4_field(tmp_path):
 def test_finetune_resume_export_and_sample(tmp_path, prepared):
     """Import a tiny Gemma 4 (every feature on), train 4 steps; 2 steps then a resume to 4 give
     bit-identical losses; the export loads in transformers with the run's logits (layer_scalar
-    untouched by training), and greedy `runtime sample` equals transformers' greedy generate."""
+    untouched by training), and greedy sampling equals transformers' greedy generate. (Export
+    and sample run in this process: `runtime export hf` and `runtime sample` as a user runs them
+    are tests/test_hf.py's and tests/test_train.py's.)"""
     from jobspec.load import parse_run_config
-    from runtime.commands.offline import restore_checkpoint
+    from runtime.commands.hf import export_checkpoint
+    from runtime.commands.offline import restore_checkpoint, sample_checkpoint
     from runtime.train.loop import train
 
-    from runs import read_jsonl, run_cli, tiny_config
+    from runs import read_jsonl, tiny_config
 
     src = hf_model(
         tmp_path / "hf", **{**CASES["all-on"], "vocab_size": 260, "vocab_size_per_layer_input": 260}
@@ -339,11 +377,9 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
         raw["model"] = {"init_from": f"hf:{src}"}
         raw["checkpoint"] = {"every": 2, "keep": 3, "async": False}
         cfg = parse_run_config(raw)
-        if split:
-            stopped = parse_run_config(
-                {**raw, "training": {**raw["training"], "target_tokens": 16 * 8 * split}}
-            )
-            assert train(stopped, "", resume=False, emit=lambda _: None).status == "completed"
+        if split:  # the same run stopped after 2 steps: one compiled step serves all three runs
+            stopped = train(cfg, "", resume=False, max_steps=split, emit=lambda _: None)
+            assert stopped.status == "stopped"
             result = train(cfg, "", resume=True, emit=lambda _: None)
         else:
             result = train(cfg, "", resume=False, emit=lambda _: None)
@@ -356,8 +392,7 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
 
     run_dir = tmp_path / "runs" / "whole"
     out = tmp_path / "export"
-    r = run_cli("export", "hf", str(run_dir), "--checkpoint", "latest", "--out", str(out))
-    assert r.returncode == 0, r.stderr
+    assert export_checkpoint(str(run_dir), "latest", str(out))["step"] == 4
     exported, start = read_safetensors(out), read_safetensors(src)
     assert np.array_equal(
         exported["model.layers.1.layer_scalar"], start["model.layers.1.layer_scalar"]
@@ -365,18 +400,13 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     assert not np.array_equal(exported["model.norm.weight"], start["model.norm.weight"])
     batch = BATCH % 257
     _, _, _, parts, _ = restore_checkpoint(str(run_dir), "latest")
-    ours = np.asarray(
-        nnx.merge(parts.graphdef, parts.params, *parts.others)(
-            jnp.asarray(batch), positions_of(batch)
-        )
-    )
+    ours = logits_of(nnx.merge(parts.graphdef, parts.params, *parts.others), batch)
     assert np.max(np.abs(ours - hf_logits(out, batch))) < TOL
 
     prompt = [5, 17, 99, 3, 42, 8]
-    r = run_cli("sample", "checkpoint", str(run_dir), "--prompt-ids", ",".join(map(str, prompt)),
-                "--top-k", "1", "--max-new-tokens", "8", "--json")  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    new_ids = json.loads(r.stdout)["new_ids"]
+    new_ids = sample_checkpoint(
+        str(run_dir), "latest", prompt, max_new_tokens=8, temperature=1.0, top_k=1, seed=0
+    )["new_ids"]
     hf = transformers.Gemma4ForCausalLM.from_pretrained(
         out, attn_implementation="eager", dtype=torch.float32
     ).eval()

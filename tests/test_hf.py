@@ -208,6 +208,9 @@ def test_init_from_fills_model_keys_and_toml_wins(tmp_path):
 
 
 def test_finetune_from_hf_then_export(tmp_path, prepared):
+    """(The export runs in this process: `runtime export hf` as a user runs it is
+    test_cli_import_then_export_and_sample's.)"""
+    from runtime.commands.hf import export_checkpoint
     from runtime.commands.offline import restore_checkpoint
     from runtime.train.loop import train
 
@@ -226,8 +229,7 @@ def test_finetune_from_hf_then_export(tmp_path, prepared):
     assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"]
 
     out = tmp_path / "export"
-    r = run_cli("export", "hf", str(run_dir), "--checkpoint", "latest", "--out", str(out))
-    assert r.returncode == 0, r.stderr
+    assert export_checkpoint(str(run_dir), "latest", str(out))["step"] == 4
     exported = load_file(str(out / SINGLE))
     start = load_file(str(src / SINGLE))
     assert not np.array_equal(exported["model.norm.weight"], start["model.norm.weight"])

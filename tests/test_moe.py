@@ -182,10 +182,12 @@ def test_decode_matches_full_forward() -> None:
     model = build_model_module(moe_cfg(), rngs=nnx.Rngs(0))
     ids = jax.random.randint(jax.random.PRNGKey(1), (1, 6), 0, 64)
     pos = jnp.arange(6)[None]
-    full = model(ids, pos)
+    # Compiled whole: op by op, each of the three shapes would compile every op again.
+    full = nnx.jit(lambda m, i, p: m(i, p))(model, ids, pos)
+    decode = nnx.jit(lambda m, i, p, c: m.decode(i, p, c))
     cache = model.init_cache(1, 8)
-    pre, cache = model.decode(ids[:, :5], pos[:, :5], cache)
-    step, _ = model.decode(ids[:, 5:], pos[:, 5:], cache)
+    pre, cache = decode(model, ids[:, :5], pos[:, :5], cache)
+    step, _ = decode(model, ids[:, 5:], pos[:, 5:], cache)
     np.testing.assert_allclose(np.asarray(pre), np.asarray(full[:, :5]), atol=1e-5)
     np.testing.assert_allclose(np.asarray(step[:, 0]), np.asarray(full[:, 5]), atol=1e-5)
 

@@ -23,13 +23,17 @@ def runtime(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "accelerator, fsdp, kernel",
-    [("tpu-v5p-8", 4, "splash"), ("h100-80gb", 8, "cudnn")],
+    "accelerator, fsdp, kernel, jobs",
+    # The TPU search compiles in 2 worker processes (the default where cores allow), the GPU one
+    # in this process: both paths of the search, for the price of one more process start.
+    [("tpu-v5p-8", 4, "splash", "2"), ("h100-80gb", 8, "cudnn", "1")],
 )
-def test_fit_picks_a_setting_that_fits_and_writes_an_overlay(tmp_path, accelerator, fsdp, kernel):
+def test_fit_picks_a_setting_that_fits_and_writes_an_overlay(
+    tmp_path, accelerator, fsdp, kernel, jobs
+):
     out = tmp_path / "pick.toml"
     res = runtime("plan", "configs/tiny_plan.toml", "--accelerator", accelerator,
-                  "--set", f"mesh.fsdp={fsdp}", "--fit", "--json", "--jobs", "1", "-o", str(out))  # fmt: skip
+                  "--set", f"mesh.fsdp={fsdp}", "--fit", "--json", "--jobs", jobs, "-o", str(out))  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr == "", res.stderr
     rep = json.loads(res.stdout)
@@ -57,9 +61,14 @@ def test_fit_picks_a_setting_that_fits_and_writes_an_overlay(tmp_path, accelerat
 def test_the_picked_overlay_trains(tmp_path, prepared):
     cfg = write_config(tmp_path / "run.toml", tiny_config(prepared, str(tmp_path / "runs")))
     out = tmp_path / "pick.toml"
-    res = runtime("plan", str(cfg), "--accelerator", "cpu", "--fit", "--jobs", "1", "-o", str(out))
+    # --jobs 2 all the same: on cpu only one candidate compiles at a time.
+    res = runtime("plan", str(cfg), "--accelerator", "cpu", "--fit", "--jobs", "2", "-o", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "pick: attention xla" in res.stdout and f"wrote {out}" in res.stdout
+    assert "pick: attention xla, remat full" in res.stdout and f"wrote {out}" in res.stdout
+    # No step time ranks cpu candidates, so the first that compiles is the pick; of the 12 (3
+    # remat x 4 accumulations; seq 16 leaves only the whole-sequence loss) no other compiles.
+    assert "; 1 compiled, " in res.stdout, res.stdout
+    assert "11 not compiled (no step time on cpu to rank them by)" in res.stdout, res.stdout
     res = runtime("local", str(out), "--max-steps", "2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert (tmp_path / "runs" / "t" / "checkpoints").is_dir()

@@ -287,12 +287,15 @@ def test_unsupported_hf_settings_are_refused_in_one_sentence(tmp_path):
 def test_finetune_resume_export_and_sample(tmp_path, prepared):
     """Import a tiny Qwen3-Next, train 4 steps on packed documents; 2 steps then a resume to 4
     give bit-identical losses; the export loads in transformers with the run's logits, and
-    greedy `runtime sample` equals transformers' greedy generate (its own cache)."""
+    greedy sampling equals transformers' greedy generate (its own cache). (Export and sample run
+    in this process: `runtime export hf` and `runtime sample` as a user runs them are
+    tests/test_hf.py's and tests/test_train.py's.)"""
     from jobspec.load import parse_run_config
-    from runtime.commands.offline import restore_checkpoint
+    from runtime.commands.hf import export_checkpoint
+    from runtime.commands.offline import restore_checkpoint, sample_checkpoint
     from runtime.train.loop import train
 
-    from runs import read_jsonl, run_cli, tiny_config
+    from runs import read_jsonl, tiny_config
 
     # Two layers: DeltaNet with the MoE, full attention with the dense MLP.
     small = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
@@ -307,11 +310,9 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
         raw["data"]["order"] = "document_buffer"
         raw["checkpoint"] = {"every": 2, "keep": 3, "async": False}
         cfg = parse_run_config(raw)
-        if split:
-            stopped = parse_run_config(
-                {**raw, "training": {**raw["training"], "target_tokens": 16 * 8 * split}}
-            )
-            assert train(stopped, "", resume=False, emit=lambda _: None).status == "completed"
+        if split:  # the same run stopped after 2 steps: one compiled step serves all three runs
+            stopped = train(cfg, "", resume=False, max_steps=split, emit=lambda _: None)
+            assert stopped.status == "stopped"
             result = train(cfg, "", resume=True, emit=lambda _: None)
         else:
             result = train(cfg, "", resume=False, emit=lambda _: None)
@@ -324,8 +325,7 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
 
     run_dir = tmp_path / "runs" / "whole"
     out = tmp_path / "export"
-    r = run_cli("export", "hf", str(run_dir), "--checkpoint", "latest", "--out", str(out))
-    assert r.returncode == 0, r.stderr
+    assert export_checkpoint(str(run_dir), "latest", str(out))["step"] == 4
     exported, start = read_safetensors(out), read_safetensors(src)
     assert set(exported) == set(start)
     assert not np.array_equal(
@@ -336,10 +336,9 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     assert np.max(np.abs(ours - hf_logits(out, BATCH))) < TOL
 
     prompt = [5, 17, 99, 3, 42, 8]
-    r = run_cli("sample", "checkpoint", str(run_dir), "--prompt-ids", ",".join(map(str, prompt)),
-                "--top-k", "1", "--max-new-tokens", "8", "--json")  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    new_ids = json.loads(r.stdout)["new_ids"]
+    new_ids = sample_checkpoint(
+        str(run_dir), "latest", prompt, max_new_tokens=8, temperature=1.0, top_k=1, seed=0
+    )["new_ids"]
     hf = transformers.Qwen3NextForCausalLM.from_pretrained(
         out, attn_implementation="eager", dtype=torch.float32
     ).eval()

@@ -119,7 +119,7 @@ def _value_and_grad(model: nnx.Module, ids: jax.Array, pos: jax.Array, seg: jax.
 
         return jax.value_and_grad(loss, has_aux=True)(params)
 
-    return run(params, others)
+    return run.lower(params, others).compile()(params, others)
 
 
 @pytest.mark.parametrize("remat", ["none", "block", "full"])
@@ -219,6 +219,7 @@ def test_stacked_router_bias_trains_like_per_layer_and_survives_checkpoint_meta(
                            rng=jax.random.PRNGKey(0), model_state=(others,))  # fmt: skip
         step = jax.jit(make_train_step(graphdef, tx, optax.constant_schedule(1e-2),
                                        router_bias_update_rate=0.05))  # fmt: skip
+        step = step.lower(state, batch_of(ids[0])).compile()
         for row in ids:
             batch = batch_of(row)
             state, metrics = step(state, batch)

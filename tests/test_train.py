@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -26,7 +27,7 @@ from runtime.train.loss import cross_entropy_sums
 from runtime.train.state import new_state, state_shardings
 from runtime.train.step import make_train_step
 
-from runs import read_jsonl, run_cli, tiny_config, write_config
+from runs import read_jsonl, run_cli, stderr_lines, tiny_config, write_config
 
 
 def _train(cfg_dict: dict, **kw):
@@ -45,22 +46,24 @@ def _final_params(run_dir: Path):
 
 def test_resume_is_exact(tmp_path, prepared):
     out = str(tmp_path)
-    base = tiny_config(prepared, out, run_id="whole", checkpoint={"every": 5})
+    # 4 steps as most runs here: their compiled step is in the session's compilation cache.
+    four = {"target_tokens": 16 * 8 * 4}
+    base = tiny_config(prepared, out, run_id="whole", checkpoint={"every": 2}, training=four)
     r = _train(base, resume=False)
-    assert r.status == "completed" and r.summary["steps"] == 20
+    assert r.status == "completed" and r.summary["steps"] == 4
 
-    split = tiny_config(prepared, out, run_id="split", checkpoint={"every": 5})
-    r1 = _train(split, resume=False, max_steps=10)
-    assert r1.status == "stopped" and r1.summary["steps"] == 10
+    split = tiny_config(prepared, out, run_id="split", checkpoint={"every": 2}, training=four)
+    r1 = _train(split, resume=False, max_steps=2)
+    assert r1.status == "stopped" and r1.summary["steps"] == 2
     r2 = _train(split, resume=True)
     assert r2.status == "completed"
 
     whole, parted = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
-    assert len(whole) == len(parted) == 20
+    assert len(whole) == len(parted) == 4
     assert whole == parted  # bitwise on CPU
     s1, p1 = _final_params(tmp_path / "whole")
     s2, p2 = _final_params(tmp_path / "split")
-    assert s1 == s2 == 20
+    assert s1 == s2 == 4
     assert all(np.array_equal(a, b) for a, b in zip(p1, p2, strict=True))
     events = [e["event"] for e in read_jsonl(tmp_path / "split/events.jsonl")]
     assert events.count("start") == 1 and events.count("resume") == 1 and events[-1] == "finish"
@@ -75,32 +78,34 @@ def test_resume_is_exact(tmp_path, prepared):
 
 def test_a_resumed_run_with_another_schedule_length_compiles_its_own_step(tmp_path, prepared):
     """The step compiled ahead bakes in a fresh run's schedule length; a resumed run that keeps
-    its checkpoint's (here 20 steps, where a fresh run of 30 would decay over 30) must not run
+    its checkpoint's (here 4 steps, where a fresh run of 6 would decay over 6) must not run
     it: the step is compiled for the run's own schedule, and the learning rates say so."""
-    cfg = tiny_config(prepared, str(tmp_path), run_id="sched")
+    cfg = tiny_config(prepared, str(tmp_path), run_id="sched",
+                      training={"target_tokens": 16 * 8 * 4})  # fmt: skip
     _train(cfg, resume=False)
     longer = tiny_config(prepared, str(tmp_path), run_id="sched",
-                         training={"target_tokens": 16 * 8 * 30})  # fmt: skip
+                         training={"target_tokens": 16 * 8 * 6})  # fmt: skip
     _train(longer, resume=True)
     firsts = [e for e in read_jsonl(tmp_path / "sched/events.jsonl") if e["event"] == "first_step"]
     assert [e["compiled_ahead"] for e in firsts] == [True, False], firsts
     rows = read_jsonl(tmp_path / "sched/metrics/train.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 31))
-    # Past its 20-step decay the schedule rests at its floor; a 30-step one would still fall.
-    assert len({r["lr"] for r in rows[20:]}) == 1 and rows[20]["lr"] < rows[19]["lr"]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    # Past its 4-step decay the schedule rests at its floor; a 6-step one would still fall.
+    assert len({r["lr"] for r in rows[4:]}) == 1 and rows[4]["lr"] < rows[3]["lr"]
 
 
 def test_raising_target_tokens_continues(tmp_path, prepared):
     cfg = tiny_config(prepared, str(tmp_path), run_id="grow",
-                      optimizer={"schedule": {"decay_steps": 20}})  # fmt: skip
+                      optimizer={"schedule": {"decay_steps": 4}},
+                      training={"target_tokens": 16 * 8 * 4})  # fmt: skip
     _train(cfg, resume=False)
     longer = tiny_config(prepared, str(tmp_path), run_id="grow",
-                         optimizer={"schedule": {"decay_steps": 20}},
-                         training={"target_tokens": 16 * 8 * 30})  # fmt: skip
+                         optimizer={"schedule": {"decay_steps": 4}},
+                         training={"target_tokens": 16 * 8 * 6})  # fmt: skip
     r = _train(longer, resume=True)
-    assert r.summary["steps"] == 30
+    assert r.summary["steps"] == 6
     rows = read_jsonl(tmp_path / "grow/metrics/train.jsonl")
-    assert [row["step"] for row in rows] == list(range(1, 31))
+    assert [row["step"] for row in rows] == list(range(1, 7))
 
 
 def _one_update(model_cfg: ModelConfig, batches: TokenBatches, mesh):
@@ -154,7 +159,14 @@ def test_document_masks_isolate_documents(prepared):
     cfg = ModelConfig(vocab_size=260, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       intermediate_size=64, max_position_embeddings=64)  # fmt: skip
     model = Decoder(cfg, rngs=nnx.Rngs(params=0))
-    found = 0
+    # One compiled program for the packed rows and one for a document alone, right-padded to
+    # the row's length (causal: the padding after a document never reaches its logits; its
+    # targets are not counted).
+    packed_fn = nnx.jit(lambda m, ids, pos, seg: m(ids, pos, seg))
+    alone_fn = nnx.jit(
+        lambda m, ids, pos, targets, mask: cross_entropy_sums(m(ids, pos), targets, mask)
+    )
+    keys, found = ("inputs", "targets", "loss_mask"), 0
     for step in range(40):
         b = {k: v[0] for k, v in batches.read_step(step).items()}  # [rows, T]
         for r in range(b["inputs"].shape[0]):
@@ -163,13 +175,18 @@ def test_document_masks_isolate_documents(prepared):
                 continue
             found += 1
             row = {k: jnp.asarray(v[r : r + 1]) for k, v in b.items()}
-            logits = model(row["inputs"], row["positions"], row["segment_ids"])
+            logits = packed_fn(model, row["inputs"], row["positions"], row["segment_ids"])
             total, count = cross_entropy_sums(logits, row["targets"], row["loss_mask"])
             parts_sum, parts_count = 0.0, 0.0
             for s in np.unique(seg):
                 idx = np.nonzero(seg == s)[0]
-                alone = model(row["inputs"][:, idx], row["positions"][:, idx])  # no other document
-                ls, c = cross_entropy_sums(alone, row["targets"][:, idx], row["loss_mask"][:, idx])
+                # No other document in the call: only this one's tokens, then padding (its
+                # positions continue the document's, so it comes after it either way).
+                pad = len(seg) - len(idx)
+                ids, targets, mask = (np.pad(b[k][r, idx], (0, pad))[None] for k in keys)
+                pos = b["positions"][r, idx]
+                pos = np.concatenate([pos, pos[-1] + 1 + np.arange(pad)])[None]
+                ls, c = alone_fn(model, ids, pos, targets, mask)
                 parts_sum, parts_count = parts_sum + float(ls), parts_count + float(c)
             np.testing.assert_allclose(float(total), parts_sum, rtol=1e-5)
             assert float(count) == parts_count
@@ -185,34 +202,40 @@ def test_document_masks_isolate_documents(prepared):
     assert found >= 3, "the data should pack several documents into some rows"
 
 
-def test_eval_and_sample_from_checkpoint(tmp_path, prepared):
-    cfg = tiny_config(prepared, str(tmp_path), run_id="inf", evals=[{"name": "val", "batches": 2}])
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, prepared) -> tuple[dict, Path]:
+    """A completed 4-step run with an eval (its config and directory), for the tests that read
+    it or must leave it as it is."""
+    out = tmp_path_factory.mktemp("finished")
+    cfg = tiny_config(prepared, str(out), run_id="inf", evals=[{"name": "val", "batches": 2}],
+                      training={"target_tokens": 16 * 8 * 4})  # fmt: skip
     r = _train(cfg, resume=False)
     assert r.summary["best_eval"]["name"] == "val"
-    run_dir = str(tmp_path / "inf")
+    return cfg, out / "inf"
+
+
+def test_eval_and_sample_from_checkpoint(finished_run):
+    run_dir = str(finished_run[1])
     ev = eval_checkpoint(run_dir, "best")
-    assert ev["step"] == 20 and ev["results"][0]["token_count"] > 0
+    assert ev["step"] == 4 and ev["results"][0]["token_count"] > 0
     assert Path(ev["path"]).is_file()
     s1 = sample_checkpoint(
         run_dir, "latest", [72, 101], max_new_tokens=8, temperature=1.0, top_k=1, seed=0
     )
     s2 = sample_checkpoint(
-        run_dir, "20", [72, 101], max_new_tokens=8, temperature=1.0, top_k=1, seed=5
+        run_dir, "4", [72, 101], max_new_tokens=8, temperature=1.0, top_k=1, seed=5
     )
     assert s1["new_ids"] == s2["new_ids"] and len(s1["new_ids"]) <= 8
     assert json.loads(Path(s1["path"]).read_text())["new_ids"] == s1["new_ids"]
 
 
-def test_existing_run_is_not_overwritten(tmp_path, prepared):
-    cfg = tiny_config(
-        prepared, str(tmp_path), run_id="keep", training={"target_tokens": 16 * 8 * 2}
-    )
-    _train(cfg, resume=False)
-    before = (tmp_path / "keep/metrics/train.jsonl").read_text()
+def test_existing_run_is_not_overwritten(tmp_path, finished_run):
+    cfg, run_dir = finished_run
+    before = (run_dir / "metrics/train.jsonl").read_text()
     path = write_config(tmp_path / "keep.toml", cfg)
     res = run_cli("local", str(path))
     assert res.returncode == 2 and "pass --resume" in res.stderr and "Traceback" not in res.stderr
-    assert (tmp_path / "keep/metrics/train.jsonl").read_text() == before
+    assert (run_dir / "metrics/train.jsonl").read_text() == before
 
 
 def test_cli_inspect_config_and_preflight(tmp_path, prepared):
@@ -246,35 +269,46 @@ def test_cli_inspect_config_and_preflight(tmp_path, prepared):
     a, b = run_cli(*args), run_cli(*args)
     assert a.returncode == 0, a.stderr
     assert json.loads(a.stdout)["new_ids"] == json.loads(b.stdout)["new_ids"]
-    bad = run_cli("sample", "checkpoint", str(tmp_path / "cli"), "--prompt-ids", "1,x")
+    # A mistyped --prompt-ids is refused before JAX loads (here a jax that cannot be imported).
+    stub = tmp_path / "no-jax" / "jax"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('jax was imported')\n")
+    path_env = os.pathsep.join(filter(None, [str(stub.parent), os.environ.get("PYTHONPATH")]))
+    bad = run_cli("sample", "checkpoint", str(tmp_path / "cli"), "--prompt-ids", "1,x",
+                  env={"PYTHONPATH": path_env})  # fmt: skip
     assert bad.returncode == 2 and "--prompt-ids" in bad.stderr and "Traceback" not in bad.stderr
+    assert len(stderr_lines(bad.stderr)) == 1, bad.stderr
+
+
+@pytest.fixture(scope="module")
+def no_remat_losses(tmp_path_factory, prepared) -> list[float]:
+    """The losses of 4 steps without remat, the reference both remat cases compare with."""
+    out = tmp_path_factory.mktemp("remat")
+    a = tiny_config(prepared, str(out), run_id="r-none", training={"target_tokens": 16 * 8 * 4})
+    _train(a, resume=False)
+    return _losses(out / "r-none")
 
 
 @pytest.mark.parametrize("remat", ["block", "full"])
-def test_remat_trains_the_same(tmp_path, prepared, remat):
-    a = tiny_config(
-        prepared, str(tmp_path), run_id="r-none", training={"target_tokens": 16 * 8 * 3}
-    )
-    b = tiny_config(prepared, str(tmp_path), run_id=f"r-{remat}", training={"target_tokens": 16 * 8 * 3},
+def test_remat_trains_the_same(tmp_path, prepared, remat, no_remat_losses):
+    b = tiny_config(prepared, str(tmp_path), run_id=f"r-{remat}", training={"target_tokens": 16 * 8 * 4},
                     model={"remat": remat})  # fmt: skip
-    _train(a, resume=False)
     _train(b, resume=False)
-    np.testing.assert_allclose(
-        _losses(tmp_path / "r-none"), _losses(tmp_path / f"r-{remat}"), rtol=1e-5
-    )
+    np.testing.assert_allclose(no_remat_losses, _losses(tmp_path / f"r-{remat}"), rtol=1e-5)
 
 
 def test_moe_router_bias_resumes_exactly(tmp_path, prepared):
     """The MoE routing biases are train state: checkpointed and restored, so resume stays exact."""
+    # The rate of the eval test below: one compiled step for both.
     moe = {"family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-           "router_bias_update_rate": 0.01}  # fmt: skip
-    steps = {"target_tokens": 16 * 8 * 12}
+           "router_bias_update_rate": 0.05}  # fmt: skip
+    steps = {"target_tokens": 16 * 8 * 4}
     _train(
         tiny_config(prepared, str(tmp_path), run_id="moe-whole", model=moe, training=steps),
         resume=False,
     )
     split = tiny_config(prepared, str(tmp_path), run_id="moe-split", model=moe, training=steps)
-    _train(split, resume=False, max_steps=6)
+    _train(split, resume=False, max_steps=2)
     _train(split, resume=True)
     whole = read_jsonl(tmp_path / "moe-whole/metrics/train.jsonl")
     parted = read_jsonl(tmp_path / "moe-split/metrics/train.jsonl")
@@ -291,11 +325,11 @@ def test_moe_router_bias_is_what_evals_route_with(tmp_path, prepared):
     moe = {"family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
            "moe_intermediate_size": 32, "router_bias_update_rate": 0.05}  # fmt: skip
     cfg = tiny_config(prepared, str(tmp_path), run_id="moe-eval", model=moe,
-                      training={"target_tokens": 16 * 8 * 8, "eval_every": 4},
+                      training={"target_tokens": 16 * 8 * 4, "eval_every": 2},
                       evals=[{"name": "validation", "batches": 2}])  # fmt: skip
     assert _train(cfg, resume=False).status == "completed"
     evals = read_jsonl(tmp_path / "moe-eval/metrics/eval.jsonl")
-    assert [e["step"] for e in evals] == [4, 8]
+    assert [e["step"] for e in evals] == [2, 4]
     offline = eval_checkpoint(str(tmp_path / "moe-eval"), "latest")["results"][0]
     assert offline["loss"] == pytest.approx(evals[-1]["loss"], rel=1e-6)
     # The biases did move, so routing with the initial ones would be another model.
@@ -309,30 +343,31 @@ def test_a_checkpoint_the_index_missed_still_counts(tmp_path, prepared):
     from jobspec.errors import ConfigError
 
     cfg = tiny_config(
-        prepared, str(tmp_path), run_id="lost", training={"target_tokens": 16 * 8 * 8}
+        prepared, str(tmp_path), run_id="lost", training={"target_tokens": 16 * 8 * 4}
     )
-    assert _train(cfg, resume=False, max_steps=5).status == "stopped"
+    assert _train(cfg, resume=False, max_steps=2).status == "stopped"
     (tmp_path / "lost/checkpoints/index.json").unlink()
     with pytest.raises(ConfigError, match="already has checkpoints"):
         _train(cfg, resume=False)
     r = _train(cfg, resume="auto")
-    assert r.status == "completed" and r.summary["steps"] == 8
+    assert r.status == "completed" and r.summary["steps"] == 4
     rows = read_jsonl(tmp_path / "lost/metrics/train.jsonl")
-    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
 
 
 def test_a_failure_is_recorded_at_the_step_it_happened(tmp_path, prepared, monkeypatch):
-    """A save that fails at step 6 of a run resumed at step 3 is recorded at step 6, not at the
+    """A save that fails at step 4 of a run resumed at step 2 is recorded at step 4, not at the
     attempt's start step (as a disk-full failure once was)."""
     from jobspec.errors import StorageError
     from runtime.run.checkpoint import CheckpointService
 
-    cfg = tiny_config(prepared, str(tmp_path), run_id="fails", checkpoint={"every": 3})
-    assert _train(cfg, resume=False, max_steps=3).status == "stopped"
+    cfg = tiny_config(prepared, str(tmp_path), run_id="fails", checkpoint={"every": 2},
+                      training={"target_tokens": 16 * 8 * 6})  # fmt: skip
+    assert _train(cfg, resume=False, max_steps=2).status == "stopped"
     real_save = CheckpointService.save
 
     def save(self, step, **kw):
-        if step == 6:
+        if step == 4:
             raise StorageError("no space left on device")
         return real_save(self, step, **kw)
 
@@ -340,6 +375,6 @@ def test_a_failure_is_recorded_at_the_step_it_happened(tmp_path, prepared, monke
     with pytest.raises(StorageError, match="no space"):
         _train(cfg, resume=True)
     failure = [e for e in read_jsonl(tmp_path / "fails/events.jsonl") if e["event"] == "failure"]
-    assert [(f["step"], f["error"]) for f in failure] == [(6, "no space left on device")]
+    assert [(f["step"], f["error"]) for f in failure] == [(4, "no space left on device")]
     manifest = json.loads((tmp_path / "fails/manifest.json").read_text())
-    assert manifest["status"] == "failed" and manifest["steps"] == 6
+    assert manifest["status"] == "failed" and manifest["steps"] == 4

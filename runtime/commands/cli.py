@@ -764,14 +764,15 @@ def sample_checkpoint_cmd(
     run, selector, prompt_ids, max_new_tokens, temperature, top_k, seed, as_json
 ) -> None:
     """KV-cache decode from one checkpoint of RUN; writes samples/<step>-<n>.json."""
-    from runtime.commands.offline import sample_checkpoint
-
     try:
         ids = [int(x) for x in prompt_ids.replace(" ", "").split(",") if x]
     except ValueError:
         raise ConfigError(
             f"--prompt-ids {prompt_ids!r}: use comma-separated integers, e.g. 1,2,3"
         ) from None
+    # Imported once the arguments are good: a mistyped --prompt-ids is refused before JAX loads.
+    from runtime.commands.offline import sample_checkpoint
+
     out = sample_checkpoint(
         run,
         selector,

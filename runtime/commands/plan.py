@@ -212,9 +212,15 @@ def run_fit(cfg, config_path: str, accelerator: str, hosts, slices: int, as_json
         + (f" (~{tps:,} tokens/s per chip predicted)" if tps else "")
         + f"; {len(result['tried'])} compiled, {len(result['skipped'])} not compiled (they need "
         f"the memory of one that did not fit), {len(result['not_compiled_slower'])} not compiled "
-        "(more accumulation of a setting that fits)"
+        "(more accumulation of a setting that fits)" + _unranked(result, accelerator)
     )
     click.echo(f"wrote {overlay}: runtime local {overlay}" if overlay else text.rstrip())
+
+
+def _unranked(result: dict, accelerator: str) -> str:
+    """The candidates a target with no step time (cpu) leaves uncompiled after its pick."""
+    n = len(result["not_compiled_unranked"])
+    return f", {n} not compiled (no step time on {accelerator} to rank them by)" if n else ""
 
 
 def _jsonable(result: dict) -> dict:

@@ -259,7 +259,9 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
         compiled, prog, target.hbm_bytes, compiler_checked=target.kind == "tpu"
     )
     slice_of = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
-    analysis = hlo.analyse(compiled.as_text(), slice_of=slice_of)
+    # One text and one parse of the compiled program serve the FLOPs, collectives and step time.
+    module = hlo.Module.parse(compiled.as_text())
+    analysis = hlo.analyse(module, slice_of=slice_of)
     kernels = any(
         k == "tpu_custom_call" or k.startswith("__cudnn$fmha")
         for k in analysis["uncounted_custom_calls"]
@@ -267,7 +269,7 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
     report["flops"] = _flops_report(analysis, analytic, kernels, target.peak_flops, n)
     report["collectives"] = analysis["collectives"]
     report["memory"]["largest_buffers"] = analysis["largest_buffers"]
-    report["step_time"] = predicted_step_time(cfg, target, compiled, analytic, kernels, n)
+    report["step_time"] = predicted_step_time(cfg, target, module, analytic, kernels, n)
     return report
 
 
@@ -284,14 +286,14 @@ def kernel_attention_flops(cfg: RunConfig, analytic: dict[str, float]) -> float:
 
 
 def predicted_step_time(
-    cfg: RunConfig, target: Target, compiled: Any, analytic: dict, kernels: bool, n: int
+    cfg: RunConfig, target: Target, module: hlo.Module, analytic: dict, kernels: bool, n: int
 ) -> dict[str, Any] | None:
     """runtime.plan.steptime's estimate for the target's chip, or None without its figures."""
     c = steptime.chip(target.catalogue_name, target.peak_flops) if target.kind != "cpu" else None
     if c is None:
         return None
     return steptime.estimate(
-        compiled.as_text(),
+        module,
         c,
         kernel_flops=kernel_attention_flops(cfg, analytic) if kernels else 0.0,
         tokens_per_step=cfg.training.tokens_per_step,

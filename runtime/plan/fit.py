@@ -16,7 +16,9 @@ needs at least as much memory as one already found not to fit (the same attentio
 remat, no smaller loss chunks, no more accumulation) is not compiled: it cannot fit either.
 More accumulation of a setting that already fits is not compiled either: the same program on
 smaller microbatches is never faster. Of those that fit with at least `MIN_HEADROOM` of HBM
-free, the one with the best predicted tokens/s (runtime/plan/steptime.py) wins.
+free, the one with the best predicted tokens/s (runtime/plan/steptime.py) wins. The cpu target
+has neither an HBM figure nor chip figures for a step time, so nothing ranks its candidates: the
+first that compiles (least memory first) is the pick, and the rest are not compiled.
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ class _Search:
     fitted: list[Candidate] = field(default_factory=list)
     skipped: list[Candidate] = field(default_factory=list)  # need the memory of a failed one
     slower: list[Candidate] = field(default_factory=list)  # more accumulation of a fitted one
+    unranked: list[Candidate] = field(default_factory=list)  # after the pick, on the cpu target
 
     def next_wave(
         self, pending: list[Candidate], size: int
@@ -235,10 +238,15 @@ def fit(
     pending = candidates(cfg, target.kind, batch_shards)
     tokens_per_step = cfg.training.tokens_per_step
     search = _Search()
-    workers = _workers(jobs)
+    # Without a step time (cpu) the first candidate that compiles is the pick: one at a time.
+    ranked = target.kind != "cpu"
+    workers = _workers(jobs) if ranked else 1
     pool = _pool(workers)
     try:
         while pending:
+            if not ranked and search.pick() is not None:
+                search.unranked, pending = pending, []
+                break
             wave, pending = search.next_wave(pending, workers)
             payloads = [(resolved_dict(_with(cfg, c)), accelerator, hosts, slices, c) for c in wave]
             results = (
@@ -260,6 +268,7 @@ def fit(
         "tried": rows,
         "skipped": [c.__dict__ for c in search.skipped],
         "not_compiled_slower": [c.__dict__ for c in search.slower],
+        "not_compiled_unranked": [c.__dict__ for c in search.unranked],
         "pick": search.pick(),
         "smallest_peak_bytes": min(
             (r["peak_bytes"] for r in rows if r.get("peak_bytes")), default=None

@@ -527,7 +527,14 @@ class _Tally:
         }
 
 
-def analyse(text: str, slice_of: list[int] | None = None, top: int = 10) -> dict:
+def module_of(text: str | Module) -> Module:
+    """`text` parsed, or the module itself when a caller parsed it already: `runtime plan`
+    parses a compiled program once for its FLOPs, collectives and step time (a real model's
+    text runs to hundreds of thousands of lines)."""
+    return text if isinstance(text, Module) else Module.parse(text)
+
+
+def analyse(text: str | Module, slice_of: list[int] | None = None, top: int = 10) -> dict:
     """Matmul FLOPs, collectives and largest buffers of one compiled module, per device.
 
     `slice_of[i]` is the slice of logical device i (the i-th device of the mesh); with more than
@@ -535,7 +542,7 @@ def analyse(text: str, slice_of: list[int] | None = None, top: int = 10) -> dict
     one of its groups spans slices, `within_slice` otherwise (`unknown_scope` if its groups are
     in a form this reader does not know).
     """
-    mod = Module.parse(text)
+    mod = module_of(text)
     weight, how, unknown_loops = mod.weights()
     multi = slice_of is not None and len(set(slice_of)) > 1
     tally = _Tally(slice_of if multi else None)

@@ -226,7 +226,7 @@ class _Roofline:
 
 
 def estimate(
-    text: str,
+    text: str | hlo.Module,
     c: Chip,
     *,
     kernel_flops: float = 0.0,
@@ -235,7 +235,7 @@ def estimate(
     top: int = 8,
 ) -> dict[str, Any]:
     """The predicted step time of one compiled module (per chip) on chip `c`."""
-    mod = hlo.Module.parse(text)
+    mod = hlo.module_of(text)
     weight, how, _ = mod.weights()
     roofline = _Roofline(c)
     for comp in mod.computations.values():

@@ -89,6 +89,8 @@ class EventKind(StrEnum):
     EVAL = "eval"
     EVAL_ROWS_REUSED = "eval_rows_reused"
     CHECKPOINT = "checkpoint"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # a periodic save due while the last one wrote
+    CHECKPOINT_WRITTEN = "checkpoint_written"  # a save committed and indexed, and when
     CHECKPOINT_MISSING = "checkpoint_missing"
     CHECKPOINT_DAMAGED = "checkpoint_damaged"
     CHECKPOINT_UNREADABLE = "checkpoint_unreadable"

@@ -559,29 +559,6 @@ def test_a_failed_restore_quiets_only_the_abandoned_reads(caplog):
     assert [str(w.message) for w in seen] == ["something else"]
 
 
-def test_a_periodic_save_that_waited_is_noted_once() -> None:
-    import types
-
-    from runtime.train.loop import _note_slow_saves
-
-    ckpt = types.SimpleNamespace(waited_s=0.2)
-    run = types.SimpleNamespace(
-        ckpt=ckpt, warned_save_wait=False, store=types.SimpleNamespace(is_writer=True), step=20,
-        cfg=types.SimpleNamespace(checkpoint=types.SimpleNamespace(every=10)),
-    )  # fmt: skip
-    said: list[str] = []
-    _note_slow_saves(run, said.append)  # a short wait: nothing to say
-    assert said == []
-    ckpt.waited_s = 13.7
-    _note_slow_saves(run, said.append)
-    _note_slow_saves(run, said.append)  # said once a run
-    assert said == [
-        "note: checkpoint 20 waited 13.7 s for the previous save to be written: saves every 10 "
-        "steps come faster than the storage takes them; raise checkpoint.every to keep the "
-        "steps going"
-    ]
-
-
 def test_tensorstore_retries_add_up_to_the_runs_storage_budget() -> None:
     """Its tries' waits (initial doubling up to max) cover total_s, and one try fewer does not."""
     for total in (0.1, 1, 2, 31.5, 120, 900):

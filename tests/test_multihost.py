@@ -20,7 +20,8 @@ STEPS = 6
 # host count, and the output root (each layout writes under its own folder).
 VARIES = {"time", "step_time", "tokens_per_s", "elapsed", "wall_time_s", "created", "updated",
           "seconds_since_start", "blocked_s", "waited_s", "tokens_per_s_median", "output_uri", "topology.process_count",
-          "eta_s", "goodput"}  # fmt: skip
+          "eta_s", "goodput", "lower_s", "compile_s", "compile_from_cache", "compile_wait_s",
+          "restore_s", "verify_s", "restore_overlap_s", "at_step", "write_s"}  # fmt: skip
 
 
 def _config(
@@ -99,8 +100,9 @@ def _normalised(path: Path):
             return [strip(v) for v in x]
         return x
 
-    if path.suffix == ".jsonl":  # time-ledger snapshots are timing, like the fields above
-        return [strip(r) for r in read_jsonl(path) if r.get("event") != "ledger"]
+    if path.suffix == ".jsonl":  # time-ledger snapshots and when writes end are timing too
+        timing = ("ledger", "checkpoint_written")
+        return [strip(r) for r in read_jsonl(path) if r.get("event") not in timing]
     return strip(json.loads(path.read_text()))
 
 

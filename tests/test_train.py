@@ -77,9 +77,10 @@ def test_resume_is_exact(tmp_path, prepared):
 
 
 def test_a_resumed_run_with_another_schedule_length_compiles_its_own_step(tmp_path, prepared):
-    """The step compiled ahead bakes in a fresh run's schedule length; a resumed run that keeps
-    its checkpoint's (here 4 steps, where a fresh run of 6 would decay over 6) must not run
-    it: the step is compiled for the run's own schedule, and the learning rates say so."""
+    """The step compiled ahead bakes in a schedule length; a resumed run keeps its checkpoint's
+    (here 4 steps, where a fresh run of 6 would decay over 6), read from the checkpoint before
+    the step is lowered: the step compiled ahead is the run's own, and the learning rates say
+    so."""
     cfg = tiny_config(prepared, str(tmp_path), run_id="sched",
                       training={"target_tokens": 16 * 8 * 4})  # fmt: skip
     _train(cfg, resume=False)
@@ -87,7 +88,7 @@ def test_a_resumed_run_with_another_schedule_length_compiles_its_own_step(tmp_pa
                          training={"target_tokens": 16 * 8 * 6})  # fmt: skip
     _train(longer, resume=True)
     firsts = [e for e in read_jsonl(tmp_path / "sched/events.jsonl") if e["event"] == "first_step"]
-    assert [e["compiled_ahead"] for e in firsts] == [True, False], firsts
+    assert [e["compiled_ahead"] for e in firsts] == [True, True], firsts
     rows = read_jsonl(tmp_path / "sched/metrics/train.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 7))
     # Past its 4-step decay the schedule rests at its floor; a 6-step one would still fall.

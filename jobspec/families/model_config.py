@@ -126,9 +126,14 @@ class ModelConfig(Section):
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Matmul/activation dtype; logits and the loss are always float32."
     )
-    remat: Literal["none", "block", "full"] = Field(
+    remat: Literal["none", "block", "attention", "attention_host", "full"] = Field(
         "none",
-        description="none: keep all activations; block: per-block remat keeping matmul outputs; full: per-block remat keeping only block inputs.",
+        description=(
+            "What each block keeps for the backward pass (the rest is recomputed from its input): "
+            "none: all activations; block: matmul outputs; attention: the splash kernel's output "
+            "and log-sum-exp (its forward is not run again); attention_host: the same in host "
+            "memory (HBM as full; copied out and back each step); full: only block inputs."
+        ),
     )
     scan_layers: bool = Field(
         True,

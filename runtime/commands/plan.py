@@ -155,7 +155,7 @@ def _run_plan(cfg, accelerator: str, hosts: int | None, slices: int, as_json: bo
 
 def _fit_row(r: dict) -> str:
     c = r["candidate"]
-    what = f"{c.attention:6} {c.remat:5} chunk {c.loss_chunk_size:>4} x{c.accumulation:<2}"
+    what = f"{c.attention:6} {c.remat:14} chunk {c.loss_chunk_size:>4} x{c.accumulation:<2}"
     if r.get("error"):
         return f"  {what}  error: {r['error']}"
     peak = _gib(r.get("peak_bytes"))
@@ -180,7 +180,9 @@ def run_fit(cfg, config_path: str, accelerator: str, hosts, slices: int, as_json
 
         if not as_json:
             click.echo(
-                "attention remat  loss chunk x accumulation  (compiled for " + accelerator + ")"
+                "attention remat           loss chunk x accumulation  (compiled for "
+                + accelerator
+                + ")"
             )
         result = fit(cfg, accelerator, hosts, slices, jobs=jobs, progress=progress)
     pick = result["pick"]

@@ -27,7 +27,8 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
     Parameters, gradients (fp32 accumulators), AdamW moments (2 x fp32) and an activation
     estimate per microbatch: per token and layer, roughly 16 x hidden + 3 x intermediate values
     kept for the backward pass (plus the attention probabilities, heads x seq_len), or only the
-    block input under remat "full"; the family spec's `mlp_activations` gives the MLP term (for
+    block input under remat "full" (and "attention_host"), plus the attention output under
+    "attention"; the family spec's `mlp_activations` gives the MLP term (for
     an MoE, 3 x num_experts x moe_intermediate: the dense dispatch runs every expert on every
     token). An estimate to catch gross misfits, not an allocator trace.
     """
@@ -46,6 +47,9 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
     per_token_layer = {
         "none": 16 * m.hidden_size + mlp + m.num_heads * t.seq_len / max(cfg.mesh.tensor, 1),
         "block": 8 * m.hidden_size + mlp,
+        # The block input and the attention kernel's output (its log-sum-exp is 1/head_dim of it).
+        "attention": m.hidden_size + m.num_heads * m.resolved_head_dim / max(cfg.mesh.tensor, 1),
+        "attention_host": m.hidden_size,  # the kernel's output is kept in host memory
         "full": m.hidden_size,
     }[m.remat]
     activations = rows * t.seq_len * m.num_layers * per_token_layer * cbytes

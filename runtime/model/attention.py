@@ -59,6 +59,12 @@ IMPLS = ("auto", "xla", "cudnn", "splash")
 _SPLASH_BLOCKS = (1024, 512, 256, 128)
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
+#: The `checkpoint_name` the splash kernel gives its output and log-sum-exp, which its backward
+#: pass reads: a remat policy that keeps them (runtime/model/layers.py) spares the backward pass
+#: the kernel's forward. (Our "attention_out" name is on a transpose of the output and leaves
+#: out the log-sum-exp: keeping it, the kernel's forward still runs again.)
+SPLASH_RESIDUALS = "attention_kernel_out"
+
 
 def masked_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float | None = None
@@ -195,7 +201,12 @@ def _splash_kernel(heads: int, t: int, interpret: bool, window: int | None = Non
     # kernel holds no jax value of any one trace or device (they become constants of the step).
     with jax.ensure_compile_time_eval():
         kernel = sa.make_splash_mha(
-            mask, block_sizes=block_sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+            mask,
+            block_sizes=block_sizes,
+            head_shards=1,
+            q_seq_shards=1,
+            residual_checkpoint_name=SPLASH_RESIDUALS,
+            interpret=interpret,
         )
     return jax.tree.map(np.asarray, kernel)
 

@@ -15,6 +15,7 @@ from flax import nnx
 from jax import lax
 
 from jobspec.families.model_config import ModelConfig
+from runtime.model.attention import SPLASH_RESIDUALS
 from runtime.model.sharding import constrain
 
 #: Logical names of the activations model code pins with `constrain` (one per dimension): the
@@ -145,13 +146,35 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
 
 
-#: Policies per ModelConfig.remat; "none" (absent) means no checkpoint wrapper at all.
+def _offloaded(*names: str) -> Any:
+    """A policy that keeps the activations `names` in host memory (pinned_host) for the backward
+    pass, copied out in the forward pass and back in the backward, and recomputes the rest."""
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(),
+        names_which_can_be_offloaded=names,
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+
+#: Policies per `model.remat` (the names ModelConfig.remat allows); "none" (absent) means no
+#: checkpoint wrapper at all. Each keeps, per layer, what it names for the backward pass (besides the
+#: block's input) and recomputes the rest from it.
 REMAT_POLICIES: dict[str, Any] = {
-    # Keep projection/MLP matmul outputs (dots without batch dims), recompute the cheap rest.
+    # Projection/MLP matmul outputs (dots without batch dims); the cheap rest is recomputed.
     "block": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # Keep nothing but the block's inputs; recompute the whole block in the backward pass.
+    # The splash kernel's output and log-sum-exp, so the backward pass does not run the kernel's
+    # forward again (the rest of the block is recomputed); without splash, as "full".
+    "attention": jax.checkpoint_policies.save_only_these_names(SPLASH_RESIDUALS),
+    # The same kept in host memory: HBM as "full", and a copy out and back per layer and step.
+    "attention_host": _offloaded(SPLASH_RESIDUALS),
+    # Nothing but the block's inputs; the whole block is recomputed in the backward pass.
     "full": jax.checkpoint_policies.nothing_saveable,
 }
+
+#: The policies under which the backward pass does not run the attention kernel's forward again
+#: (its FLOPs counted once in the plan's step time).
+KEEPS_ATTENTION_KERNEL = frozenset({"none", "attention", "attention_host"})
 
 
 def remat_call(policy: Any, fn: Any, module: nnx.Module, *args: Any) -> Any:

@@ -276,12 +276,14 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
 def kernel_attention_flops(cfg: RunConfig, analytic: dict[str, float]) -> float:
     """The attention FLOPs a fused kernel does per chip and step: the analytic count (forward +
     backward, 12LTHD) less the causal blocks it skips (of n x n query/key blocks of the kernel's
-    block size, it runs n(n+1)/2), plus the forward again when blocks are rematerialised."""
+    block size, it runs n(n+1)/2), plus the forward again when blocks are rematerialised and
+    the policy does not keep the kernel's outputs."""
     from runtime.model.attention import splash_block
+    from runtime.model.layers import KEEPS_ATTENTION_KERNEL
 
     n = max(1, cfg.training.seq_len // splash_block(cfg.training.seq_len))
     causal = (n + 1) / (2 * n)
-    recompute = 4 / 3 if cfg.model.remat != "none" else 1.0
+    recompute = 1.0 if cfg.model.remat in KEEPS_ATTENTION_KERNEL else 4 / 3
     return analytic["attention_per_chip"] * causal * recompute
 
 

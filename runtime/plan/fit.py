@@ -3,7 +3,9 @@
 A user gives a model, a target and a global batch; this searches the settings that trade memory
 for speed and that users otherwise tune by trial and out-of-memory on the real hardware:
 
-* `model.remat`: none, block, full (less memory, more recomputation, in that order);
+* `model.remat`: none, block, attention, attention_host, full (less memory, more
+  recomputation, in that order; attention and attention_host keep the splash kernel's outputs,
+  so they are tried with splash only);
 * `training.loss_chunk_size`: 256, 1024, 0 (whole sequence; more memory in that order);
 * `training.gradient_accumulation_steps`: 1, 2, 4, ... while each microbatch still splits over
   the batch shards (more steps, less memory);
@@ -33,7 +35,9 @@ from typing import Any
 from jobspec.errors import ConfigError
 
 MIN_HEADROOM = 0.05
-REMAT_ORDER = ("full", "block", "none")  # least memory first
+REMAT_ORDER = ("full", "attention_host", "attention", "block", "none")  # least memory first
+#: Policies that keep what a fused kernel names (runtime/model/layers.py): tried with it only.
+KERNEL_REMAT = {"attention": "splash", "attention_host": "splash"}
 CHUNK_ORDER = (256, 1024, 0)
 ATTENTION = {"tpu": ("splash", "xla"), "gpu": ("cudnn", "xla"), "cpu": ("xla",)}
 GIB = 2**30
@@ -97,10 +101,16 @@ def candidates(cfg, kind: str, batch_shards: int) -> list[Candidate]:
     out = []
     for acc in accs:
         for attention in ATTENTION[kind]:
-            for remat in REMAT_ORDER:
+            for remat in _remats(attention):
                 for chunk in chunks:
                     out.append(Candidate(attention, remat, chunk, acc))
     return out
+
+
+def _remats(attention: str) -> list[str]:
+    """The remat policies worth compiling with `attention`, least memory first: a policy that
+    keeps another kernel's outputs would keep nothing here (it would compile as full)."""
+    return [r for r in REMAT_ORDER if KERNEL_REMAT.get(r, attention) == attention]
 
 
 def sequences_per_step(cfg) -> int:

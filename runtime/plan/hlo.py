@@ -153,6 +153,7 @@ def _split_top(s: str) -> list[str]:
 
 _INSTR_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*")
 _OPCODE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
+_COMMENT = re.compile(r"/\*.*?\*/")
 
 
 def parse_instr(line: str) -> Instr | None:
@@ -173,7 +174,8 @@ def parse_instr(line: str) -> Instr | None:
     open_at = om.end() - 1
     close = _balanced(rest, open_at)
     args = rest[open_at + 1 : close - 1]
-    operands = [p.split()[-1].lstrip("%") for p in _split_top(args)]
+    # Long operand lists carry `/*index=5*/` comments glued to the next operand's name.
+    operands = [_COMMENT.sub(" ", p).split()[-1].lstrip("%") for p in _split_top(args)]
     return Instr(m.group(1), type_text, om.group(1), operands, rest[close:])
 
 

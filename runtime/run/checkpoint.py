@@ -30,16 +30,20 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jobspec.errors import CheckpointError, StorageError, StorageFaultError
+from jobspec.background import in_background
+from jobspec.errors import CheckpointError, ConfigError, StorageError, StorageFaultError
 from jobspec.run_dir import CHECKPOINT_INDEX, CHECKPOINTS, EVENTS, Event, EventKind, checkpoint_dir
 from jobspec.run_store import ArtifactStore
 from jobspec.storage import RetryPolicy, configure_gcs_env, storage_fault
@@ -82,16 +86,36 @@ def bound_tensorstore_retries(policy: RetryPolicy) -> None:
 
 
 COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker for object stores
+_JSON_FILE = "metadata"  # what Orbax's JSON handler names an item's one file
 # `entry` repeats the step's index entry inside the checkpoint, so a step that committed just
 # before a crash (index not yet rewritten) can be re-indexed from disk.
 ITEMS = ("params", "opt_state", "meta", "entry")
 RESUME_ITEMS = ("params", "opt_state", "meta")  # what a resume reads
+ARRAY_ITEMS = ("params", "opt_state")
+#: Orbax compresses arrays with zstd unless told otherwise. Over float32 weights and Adam moments
+#: that saved 8% of the bytes for twice the CPU of the whole write (bench/ckpt_host_cost.py), CPU
+#: a background write takes from the host that feeds the steps; so arrays are written plain.
+#: Either kind restores: Orbax reads the codec from each array's metadata.
+COMPRESS = False
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What `restore_resume` read: the step, its arrays and meta, and how long comparing its
+    checksums beside the read took (None: compared first, or saved before checksums)."""
+
+    step: int
+    params: Any
+    opt_state: Any
+    meta: CheckpointMeta
+    verify_s: float | None = None
 
 
 @dataclass
 class _Pending:
     step: int
     entry: dict[str, Any]
+    started: float  # perf_counter when Orbax was handed the save
     # The writer's checksums of the committed step, computed off the training thread (reading
     # back a multi-GB state takes seconds); the step is indexed once they are written.
     summing: Future | None = None
@@ -303,14 +327,24 @@ class CheckpointService:
         )
         try:
             self._mgr = ocp.CheckpointManager(
-                epath.Path(self.directory), item_names=ITEMS, options=options
+                epath.Path(self.directory),
+                item_names=ITEMS,
+                item_handlers=_array_handlers(store.writer_index),
+                options=options,
             )
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot open checkpoints under {self.directory}: {e}") from e
         self._pending: _Pending | None = None
         self.waited_s = 0.0  # how long the latest `save` waited for the one before it
+        # Told (step, seconds from the save's start) when a save is indexed: the train loop's
+        # record of how long the storage took to write it.
+        self.on_written: Callable[[int, float], None] | None = None
         self._async = async_save
-        self._summer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-checksums")
+        # Reading back and hashing a multi-GB step takes a core for seconds: at low priority,
+        # so the threads that feed the steps come first.
+        self._summer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ckpt-checksums", initializer=_lower_priority
+        )
         self._failed_step: int | None = None  # the step whose save failed, if one did
         self._undeletable = False  # a step that had to be deleted could not be
         # A damaged index: rebuilt on disk by a service that may write, in memory (and said,
@@ -473,17 +507,18 @@ class CheckpointService:
             "fingerprint": meta.fingerprint,
         }
         args = ocp.args.Composite(
-            params=ocp.args.StandardSave(params),
-            opt_state=ocp.args.StandardSave(opt_state),
+            params=ocp.args.PyTreeSave(params),
+            opt_state=ocp.args.PyTreeSave(opt_state),
             meta=ocp.args.JsonSave(meta.to_json()),
             entry=ocp.args.JsonSave(entry),
         )
+        started = time.perf_counter()
         try:
             # force: the train loop decides when to save; Orbax's own interval policy must not.
             self._mgr.save(step, args=args, force=True)
         except Exception as e:
             self._raise_save_error(step, e, "cannot save")
-        self._pending = _Pending(step, entry)
+        self._pending = _Pending(step, entry, started)
         # A synchronous save is committed already, and is indexed (checksums and all) before
         # this returns; an async one is indexed by a later poll.
         self.poll(block=not self._async)
@@ -495,6 +530,33 @@ class CheckpointService:
         """The newest step saved or being saved (a background save not yet indexed counts)."""
         steps = [*self._entries, *([self._pending.step] if self._pending else [])]
         return max(steps) if steps else None
+
+    def writing(self, grace_s: float = 0.0) -> int | None:
+        """The step whose started save this host is still writing (Orbax's write, or the
+        writer's checksums) after up to `grace_s` seconds' wait for it, a save that finished
+        being indexed; None when none is."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            self.poll()
+            if self._pending is None:
+                return None
+            if time.monotonic() >= deadline:
+                return self._pending.step
+            time.sleep(0.01)
+
+    def writing_anywhere(self, grace_s: float = 0.0) -> int | None:
+        """`writing` as every host agrees on it (the newest step any host still writes), so a
+        periodic save is skipped on all hosts or on none; every host must call it."""
+        mine = self.writing(grace_s)
+        import jax
+
+        if jax.process_count() == 1:
+            return mine
+        from jax.experimental import multihost_utils
+
+        flag = np.asarray(-1 if mine is None else mine, np.int32)
+        busy = [int(s) for s in np.ravel(multihost_utils.process_allgather(flag)) if s >= 0]
+        return max(busy) if busy else None
 
     def set_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Add metrics (an eval's `val_loss`, which picks `best`) to a step saved before its eval
@@ -551,6 +613,8 @@ class CheckpointService:
         self._entries[pending.step] = pending.entry
         self._forget_checks(pending.step)
         self._write_index()
+        if self.on_written is not None:
+            self.on_written(pending.step, time.perf_counter() - pending.started)
         return pending.step
 
     def _wait_orbax(self) -> None:
@@ -700,6 +764,7 @@ class CheckpointService:
         params_target: Any,
         opt_state_target: Any = None,
         fallback: str = "resume",
+        check_first: bool = True,
     ) -> tuple[Any, Any | None, CheckpointMeta]:
         """(params, opt_state or None, meta) of a committed step; every host must call it.
 
@@ -707,19 +772,20 @@ class CheckpointService:
         sharded as the run needs. Without opt_state_target the optimizer state is not read.
         A step that cannot be read raises UnreadableCheckpointError; `fallback` ("resume",
         "rollback" for a launched job, "select" for eval/sample) picks which way to an older
-        step its sentence suggests.
+        step its sentence suggests. `check_first=False`: the caller compares the checksums
+        itself (`restore_resume`, beside the read).
         """
         self._entry(step)
         read = RESUME_ITEMS if opt_state_target is not None else ("params", "meta")
-        if (damage := self.damage(step, read)) is not None:
+        if check_first and (damage := self.damage(step, read)) is not None:
             raise self.unreadable(step, damage, fallback=fallback)
         _quiet_abandoned_reads()  # before: a failed read's siblings may complete at any time
         items: dict[str, Any] = {
-            "params": ocp.args.StandardRestore(params_target),
+            "params": _array_restore(params_target),
             "meta": ocp.args.JsonRestore(),
         }
         if opt_state_target is not None:
-            items["opt_state"] = ocp.args.StandardRestore(opt_state_target)
+            items["opt_state"] = _array_restore(opt_state_target)
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(**items))
             meta = CheckpointMeta.from_json(dict(out["meta"]), where=f"{self.directory}/{step}")
@@ -731,6 +797,77 @@ class CheckpointService:
             raise self.unreadable(step, e, fallback=fallback) from e
         opt_state = out["opt_state"] if opt_state_target is not None else None
         return out["params"], opt_state, meta
+
+    def restore_resume(
+        self,
+        from_step: int | None,
+        *,
+        params_target: Any,
+        opt_state_target: Any,
+        before_read: Callable[[int], None],
+        fallback: str = "resume",
+    ) -> Resumed:
+        """What a resume starts from: `from_step`, else the newest intact step; every host
+        must call it. `before_read(step)` runs before Orbax reads a step (the caller's checks;
+        it raises to refuse one).
+
+        The step's checksums are compared while Orbax reads it rather than before, so a
+        multi-GB state is read once from disk in the time of the slower of the two. A damaged
+        step is then set aside and the rest goes as `resume_step` says: the newest intact one
+        is read (the damaged ones said and discarded), or a damaged `from_step` is refused. A
+        step the caller refuses (past the end, another config) is decided that way first."""
+        step = self.resolve(from_step if from_step is not None else "latest")
+        try:
+            before_read(step)
+        except (CheckpointError, ConfigError):  # decided on an intact step, as resume_step does
+            return self._restore_intact(from_step, params_target, opt_state_target,
+                                        before_read, fallback)  # fmt: skip
+        checking = in_background(lambda: self._timed_damage(step), "ckpt-resume-check")
+        read: tuple[Any, Any, CheckpointMeta] | None = None
+        failure: BaseException | None = None
+        try:
+            read = self.restore(step, params_target=params_target, opt_state_target=opt_state_target,
+                                fallback=fallback, check_first=False)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the checksums' verdict comes first
+            failure = e
+        damage, verify_s = checking.result()
+        if damage is None:
+            if failure is not None:
+                raise failure
+            assert read is not None
+            return Resumed(step, *read, verify_s=verify_s)
+        del read  # a damaged step's arrays are not the state saved
+        if from_step is not None:
+            raise self.unreadable(step, damage, fallback=fallback)
+        return self._restore_intact(None, params_target, opt_state_target, before_read, fallback)
+
+    def _timed_damage(self, step: int) -> tuple[str | None, float | None]:
+        """`damage` of what a resume reads, and the seconds it took (None: nothing to compare)."""
+        t0 = time.perf_counter()
+        damage = self.damage(step, RESUME_ITEMS)
+        found = self._checked.get((step, RESUME_ITEMS))
+        return damage, (time.perf_counter() - t0 if found and found.verified else None)
+
+    def _restore_intact(
+        self, from_step: int | None, params_target: Any, opt_state_target: Any,
+        before_read: Callable[[int], None], fallback: str,
+    ) -> Resumed:  # fmt: skip
+        """The checked-first way: the step `resume_step` picks, its checksums, then its read."""
+        step = self.resume_step(from_step)
+        before_read(step)
+        read = self.restore(
+            step, params_target=params_target, opt_state_target=opt_state_target, fallback=fallback
+        )
+        return Resumed(step, *read, verify_s=None)
+
+    def read_meta(self, step: int) -> CheckpointMeta | None:
+        """The meta item of committed `step`, read alone from its small JSON file, or None when
+        it cannot be read: for what a start needs before the restore (which reads it again)."""
+        try:
+            raw = self.store.read_json(f"{checkpoint_dir(step)}/meta/{_JSON_FILE}")
+            return CheckpointMeta.from_json(dict(raw), where=f"{self.directory}/{step}")
+        except Exception:  # noqa: BLE001 - a guess only: the restore says what is wrong
+            return None
 
     def damage(self, step: int, items: tuple[str, ...] | None = None) -> str | None:
         """Why the bytes of `step` (of its `items`, default all) are not the ones saved: its
@@ -854,16 +991,16 @@ class CheckpointService:
             for item in ("params", "opt_state"):
                 # One item at a time, dropped at once: the host holds one copy of one item.
                 target = _host_target(f"{self.directory}/{step}/{item}")
+                if target is None:  # Orbax reads an item's tree from its _METADATA
+                    raise _ItemError(f"{item}: its tree metadata ({item}/_METADATA) cannot be read")
                 try:
                     got = self._mgr.restore(
-                        step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)})
+                        step, args=ocp.args.Composite(**{item: _array_restore(target)})
                     )
                     bad = _nonfinite_leaf(got[item])  # saves are finite: NaN/inf is damage
                     del got
                 except Exception as e:
                     raise _ItemError(f"{item}: {short_cause(e)}") from e
-                if target is None:
-                    raise _ItemError(f"{item}: its array metadata cannot be read")
                 if bad is not None:
                     raise _ItemError(f"{item}: {bad} holds NaN or infinite values")
             try:
@@ -882,6 +1019,28 @@ class CheckpointService:
             return {"step": step, "ok": False, "state": "unreadable", **verified, "bytes": size,
                     "cause": short_cause(e)}  # fmt: skip
         return {"step": step, "ok": True, "state": "ok", **verified, "bytes": size, "cause": None}
+
+
+def _array_handlers(primary_host: int) -> dict[str, ocp.PyTreeCheckpointHandler]:
+    """Orbax's handlers of the array items: `COMPRESS`, and the writer as the primary host."""
+    mp = ocp.options.MultiprocessingOptions(primary_host=primary_host)
+    return {
+        item: ocp.PyTreeCheckpointHandler(use_compression=COMPRESS, multiprocessing_options=mp)
+        for item in ARRAY_ITEMS
+    }
+
+
+def _array_restore(target: Any) -> ocp.args.PyTreeRestore:
+    """Restore args that read an array item into `target`'s shapes, dtypes and shardings."""
+    return ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+    )
+
+
+def _lower_priority() -> None:
+    """Nice this thread (Linux nices threads one by one); elsewhere it keeps its priority."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def _nonfinite_leaf(tree: Any) -> str | None:

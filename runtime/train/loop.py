@@ -9,13 +9,13 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 import numpy as np
 
-from jobspec.errors import DivergedError
+from jobspec.errors import CheckpointError, DivergedError, StorageError
 from jobspec.exit_codes import EXIT_RESTARTABLE
 from jobspec.load import resolved_dict
 from jobspec.run_config import RunConfig
@@ -25,7 +25,7 @@ from jobspec.storage import configure_gcs_env, join
 from runtime.data.eval_rows import check_evals
 from runtime.data.loader import TokenBatches, check_for_run, train_batches
 from runtime.data.mixture import load_data
-from runtime.host import boot, host_memory, startup
+from runtime.host import boot, compile_cache, host_memory, startup
 from runtime.host.coordination import HostWatchdog, StopAgreement
 from runtime.host.stop_guard import StopGuard
 from runtime.model.build import build_model
@@ -44,7 +44,13 @@ from runtime.train.evaluate import Evaluator
 from runtime.train.metrics import NONFINITE_KEYS, TrainMetrics
 from runtime.train.optim import build_optimizer
 from runtime.train.program import AheadStep, compile_ahead, train_program
-from runtime.train.start import initial_state, nothing_to_train, open_run
+from runtime.train.start import (
+    RestoreTimes,
+    initial_state,
+    nothing_to_train,
+    open_run,
+    resume_decay_steps,
+)
 from runtime.train.state import TrainState, model_state_record
 
 
@@ -79,11 +85,8 @@ class Run:
     say: StartupLog
     step: int = 0  # the last step completed in this attempt (what a failure is recorded at)
     host_copy_bytes: int = 0  # a save's copy off the accelerator, faulted in before step 1
-    warned_save_wait: bool = False  # said once that saves come faster than they are written
-
-
-#: A save that waits this long for the previous one is noted once (the loop stood still for it).
-_SAVE_WAIT_WARN_S = 1.0
+    restore: RestoreTimes | None = None  # a resume's restore, for the first step's event
+    skipped_saves: int = 0  # periodic saves skipped while the one before was still written
 
 
 def _emit(line: str) -> None:
@@ -104,14 +107,25 @@ def _prepare(
     from_step: int | None = None,
 ) -> Run:
     fp = run_fingerprint(cfg, manifest)
-    say("lowering the train step; XLA compiles it while the model is built")
-    with ledger.timing(buckets.COMPILE):  # its tracing; XLA's compile is timed at step 1
-        ahead = compile_ahead(cfg, mesh)
+    # A resume compiles the schedule its checkpoint recorded (a raised target_tokens keeps it).
+    decay = resume_decay_steps(ckpt, from_step) if resume else None
+    say(
+        "lowering the train step; XLA compiles it while the "
+        + ("checkpoint is read" if resume else "model is built")
+    )
+    ahead = compile_ahead(cfg, mesh, decay)  # on a thread: its time shows at step 1
     say(f"building the model on a {_mesh_text(mesh)} mesh")
     with ledger.timing(buckets.MODEL_INIT):  # a restore inside it is timed as restore
-        parts = build_model(cfg.model, cfg.run.seed, mesh, materialise=not resume)
+        # A resume builds shapes and shardings only: the checkpoint is read straight into them.
+        parts = build_model(
+            cfg.model, cfg.run.seed, mesh, materialise=not resume, abstract_others=resume
+        )
         say("creating the optimizer state" if not resume else "reading the checkpoint index")
         init = initial_state(cfg, resume, reshard, ckpt, fp, parts, mesh, ledger, from_step, say)
+    # The restored model state (router biases) is what evals route with, as a fresh run's is.
+    parts = replace(parts, others=init.state.model_state)
+    with ledger.timing(buckets.COMPILE):  # a step that cannot be traced ends before any record
+        ahead.wait_lowered()
     tx, schedule = build_optimizer(cfg.optimizer, init.decay_steps)
     t = cfg.training
     say("opening the data loader")
@@ -144,7 +158,7 @@ def _prepare(
         fingerprint=fp, batch_sharding=b_sh,
         global_shape=(t.gradient_accumulation_steps, t.global_batch_size, t.seq_len),
         ledger=ledger, profile=ProfileWindow(cfg.profile, store, init.step), say=say,
-        step=init.step, host_copy_bytes=_host_copy_bytes(init.state),
+        step=init.step, host_copy_bytes=_host_copy_bytes(init.state), restore=init.restore,
     )  # fmt: skip
 
 
@@ -199,6 +213,8 @@ def _train(
     t_start = time.perf_counter()
     say(f"opening run {cfg.run.id} in {cfg.run.output_uri}")
     store, resume = open_run(cfg, resume, writer_index)
+    # Before the first compile: a job of many hosts keeps its programs in the run's directory.
+    compile_cache.for_run(store.root_uri, jax.process_count())
     manifest, small_evals = _open_data(cfg, store, ledger, say)
     if resume:  # a config that resume would refuse is refused even with nothing to train
         done = nothing_to_train(cfg, store, from_step, run_fingerprint(cfg, manifest), reshard)
@@ -274,6 +290,9 @@ def _run_to_end(
     # A stop on a storage that stopped answering must still end the run (stop_guard.py).
     guard = StopGuard(run.store.probe, run.store.root_uri).install()
     failed = False
+    run.ckpt.on_written = lambda step, took: run.art.event(
+        EventKind.CHECKPOINT_WRITTEN, step=step, at_step=run.step, write_s=round(took, 3)
+    )  # how long the storage took, and the steps that ran meanwhile
     try:
         status = _loop(run, stop, watchdog, max_steps, emit, t_start)
         result = _finish(run, status, stop, watchdog, emit, t_start)
@@ -283,6 +302,8 @@ def _run_to_end(
         failed = True
         # A collective that failed because a peer died: let the watchdog name the lost host.
         watchdog.explain_failure(e)
+        if isinstance(e, (StorageError, CheckpointError)):
+            _write_unfetched_rows(run, emit)
         # What was committed stays; the failure is recorded at the step reached (run.step is
         # moved on as each step completes); a half-save never becomes latest.
         run.art.fail(
@@ -291,11 +312,21 @@ def _run_to_end(
         raise
     finally:
         guard.end()
+        run.ckpt.on_written = None  # the attempt's record is closed
         run.profile.abandon()
         stop.restore()
         # After a failure, close() only logs what it cannot finish: the first error is the
         # one the user sees and the one the exit code comes from.
         run.ckpt.close(after_failure=failed)
+
+
+def _write_unfetched_rows(run: Run, emit) -> None:
+    """The rows of steps done before a storage failure and not yet fetched (metrics are read a
+    step late); a write that fails too is dropped: the first error is the one reported."""
+    try:
+        run.metrics.write_unfetched(emit)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _loop(
@@ -367,9 +398,34 @@ def _step(run: Run, it: Iterator, emit, t_start: float) -> tuple[Any, dict]:
             step=step,
             seconds_since_start=time.perf_counter() - t_start,
             compiled_ahead=run.step_fn.used,  # its compile ran beside the model's build
+            **_start_figures(run),
         )
         run.metrics.meter.mark(step)
     return outputs, item.provenance
+
+
+def _start_figures(run: Run) -> dict[str, Any]:
+    """What the first step waited on, in seconds: the step's tracing and compile on their
+    thread (`compile_s`, loaded from the persistent cache or not), the part of it step 1 still
+    waited for, and on a resume the restore (`restore_s`, checksums compared beside it in
+    `verify_s`) and how much of it ran while the step compiled (`restore_overlap_s`)."""
+    times = run.step_fn.times
+    out: dict[str, Any] = {}
+    if run.step_fn.used and times.started is not None and times.done is not None:
+        out["lower_s"] = round((times.lowered or times.done) - times.started, 3)
+        out["compile_s"] = round(times.done - times.started, 3)
+        out["compile_from_cache"] = times.from_cache
+        out["compile_wait_s"] = round(run.step_fn.waited_s, 3)
+    r = run.restore
+    if r is not None:
+        out["restore_s"] = round(r.done - r.started, 3)
+        out["verify_s"] = None if r.verify_s is None else round(r.verify_s, 3)
+        if times.started is not None:
+            end = times.done if times.done is not None else r.done
+            out["restore_overlap_s"] = round(
+                max(0.0, min(end, r.done) - max(times.started, r.started)), 3
+            )
+    return out
 
 
 def _record(run: Run, due: Due, outputs: Any, provenance: dict, emit) -> None:
@@ -396,9 +452,7 @@ def _pause(run: Run, due: Due, watchdog: HostWatchdog, emit) -> None:
     if due.save:
         watchdog.progress(step, "checkpoint")
     with run.ledger.timing(buckets.CHECKPOINT):
-        saved = due.save and _save(run)
-    if saved:
-        _note_slow_saves(run, emit)
+        saved = due.save and _save_unless_writing(run, emit)
     if due.eval:
         watchdog.progress(step, "eval")  # may be long: its own compile, many batches
     with run.ledger.timing(buckets.EVAL):
@@ -509,17 +563,33 @@ def _save(run: Run) -> bool:
     return False
 
 
-def _note_slow_saves(run: Run, emit) -> None:
-    """Once a run: a periodic save that waited for the one before (advice on the cadence, not a
-    fault, so with the run's other lines on stdout)."""
-    waited = run.ckpt.waited_s
-    if waited > _SAVE_WAIT_WARN_S and not run.warned_save_wait and run.store.is_writer:
-        run.warned_save_wait = True
+#: How long a periodic save waits for the write before it to end: a small state's write (a toy
+#: model's, the test suite's) ends by then and is saved as always. A write still going after it
+#: is storage slower than the cadence: that save is skipped, and so is every later one that
+#: finds a write going, at once.
+SAVE_GRACE_S = 1.0
+
+
+def _save_unless_writing(run: Run, emit) -> bool:
+    """A periodic save, unless the one before is still being written on some host: then it is
+    skipped on every host (the loop does not wait for storage between steps) and the next due
+    step saves. The first skip is said once on stdout (advice on the cadence, not a fault);
+    each is an event with the count so far. True when a save started."""
+    grace = 0.0 if run.skipped_saves else SAVE_GRACE_S
+    writing = run.ckpt.writing_anywhere(grace)
+    if writing is None:
+        return _save(run)
+    run.skipped_saves += 1
+    run.art.event(EventKind.CHECKPOINT_SKIPPED, step=run.step, writing=writing,
+                  skipped=run.skipped_saves)  # fmt: skip
+    if run.skipped_saves == 1 and run.store.is_writer:
         emit(
-            f"note: checkpoint {run.step} waited {waited:.1f} s for the previous save to be "
-            f"written: saves every {run.cfg.checkpoint.every} steps come faster than the storage "
-            "takes them; raise checkpoint.every to keep the steps going"
+            f"note: checkpoint {run.step} skipped: checkpoint {writing} is still being written, "
+            f"as saves every {run.cfg.checkpoint.every} steps come faster than the storage takes "
+            "them; the next due step saves (skips are counted in events.jsonl); raise "
+            "checkpoint.every to save at each"
         )
+    return False
 
 
 def _meta(run: Run) -> CheckpointMeta:
@@ -533,9 +603,10 @@ def _meta(run: Run) -> CheckpointMeta:
         fingerprint=run.fingerprint,
         # The loader's state is process-count independent; each process records its own.
         data_state={str(jax.process_index()): run.batches.state_for(step)},
-        # Router biases move outside the gradient, so they are saved when training moves them.
+        # Router biases move outside the gradient; saved even when training leaves them, so a
+        # resume reads them rather than computing the model's initial ones.
         model_state=model_state_record(run.state)
-        if cfg.model.router_bias_update_rate > 0
+        if jax.tree.leaves(run.state.model_state)
         else None,
         skipped_steps=run.metrics.skipped_steps,
     )

@@ -70,22 +70,44 @@ class TrainMetrics:
         # Steady-state throughput: the loop marks the clock after compilation, evals and saves.
         self.meter = Throughput(cfg.training.tokens_per_step, fpt, job_peak)
         self._pending: list[tuple[int, Any, dict]] = []  # steps since the last host sync
+        # Steps whose rows are due but are fetched at the next step_done, once the next step is
+        # dispatched: the device runs it while the host waits for these (and whether timed).
+        self._deferred: tuple[list[tuple[int, Any, dict]], bool] | None = None
         self.skipped_steps = skipped_steps
         self.nonfinite: dict[str, Any] | None = None
 
     def step_done(
         self, step: int, outputs: Any, provenance: dict, emit, *, sync: bool, timed: bool = True
     ) -> None:
-        """Record a finished step; rows are fetched and written every `training.log_every`
-        steps, and at `sync` (before an eval, a save, a profile or the end), so the host rarely
-        waits. `timed=False` (profiled steps) writes the rows without throughput figures.
+        """Record a finished step (the caller has dispatched it); rows are fetched and written
+        every `training.log_every` steps, and at `sync` (before an eval, a save, a profile or
+        the end), so the host rarely waits. `timed=False` (profiled steps) writes the rows
+        without throughput figures.
+
+        A `log_every` step's rows are fetched one call later, after the next step has been
+        dispatched: fetching them now would hold that dispatch until this step is done, and
+        leave the device idle for the host's work in between. At `sync` they are fetched now.
 
         The fetched rows are where finiteness is read (no sync of its own): a step whose loss,
         grad_norm or param_norm is NaN/inf, or a skip past training.max_skipped_steps, sets
         `nonfinite`, which the loop turns into DivergedError before any eval or save."""
+        if self._deferred is not None:
+            (pending, was_timed), self._deferred = self._deferred, None
+            self._flush(pending, emit, was_timed)
         self._pending.append((step, outputs, provenance))
-        if step % self.cfg.training.log_every == 0 or sync:
+        if sync:
             pending, self._pending = self._pending, []
+            self._flush(pending, emit, timed)
+        elif step % self.cfg.training.log_every == 0:
+            self._deferred, self._pending = (self._pending, timed), []
+
+    def write_unfetched(self, emit) -> None:
+        """After a storage failure (the device is well): the rows of the steps done but not yet
+        fetched (a deferred `log_every` fetch, steps since), so the record reaches the step the
+        failure is recorded at. Finiteness is not acted on here: the failure already ends the run."""
+        pending, timed = self._deferred if self._deferred is not None else ([], True)
+        pending, self._deferred, self._pending = pending + self._pending, None, []
+        if pending:
             self._flush(pending, emit, timed)
 
     def _flush(self, pending: list, emit, timed: bool) -> None:

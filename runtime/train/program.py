@@ -9,6 +9,7 @@ devices: the same function, shardings and donation, with ShapeDtypeStructs for e
 from __future__ import annotations
 
 import atexit
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from jax.sharding import Mesh
 
 from jobspec.background import in_background
 from jobspec.run_config import RunConfig
+from runtime.host import compile_cache
 from runtime.model.build import ModelParts, build_model
 from runtime.model.sharding import batch_sharding, on_mesh, replicated
 from runtime.train.optim import build_optimizer
@@ -111,23 +113,42 @@ def abstract_program(cfg: RunConfig, mesh: Mesh, decay_steps: int | None = None)
     return AbstractProgram(step=step, state=state, batch=abstract_batch(cfg, mesh), parts=parts)
 
 
+@dataclass
+class AheadTimes:
+    """When the ahead compile's thread started, finished lowering and finished compiling
+    (perf_counter seconds; None until then), and whether XLA's program came from the persistent
+    compilation cache."""
+
+    started: float | None = None
+    lowered: float | None = None
+    done: float | None = None
+    from_cache: bool = False
+
+
 class AheadStep:
-    """The train step, compiled on a background thread while the model is built.
+    """The train step, lowered and compiled on a background thread while the model is built (or
+    its checkpoint restored).
 
     `compile_ahead` traces and lowers the run's step from abstract arguments (the program
-    `runtime plan` compiles) and hands XLA's compile to a thread, so on an accelerator the step's
-    compile and the parameter init's run side by side instead of one after the other. The first
-    call takes that compiled program when it matches what the run built (the schedule's length;
-    the arguments' shapes and shardings, which the compiled program checks itself); otherwise
-    the jitted step compiles as it always did. A compile that failed (out of memory) raises at
-    the first step, as the jitted step's own compile would."""
+    `runtime plan` compiles) and compiles it on a thread, so the step's tracing and XLA's compile
+    run beside the parameter init or the restore instead of one after the other. The first call
+    takes that compiled program when it matches what the run built (the schedule's length; the
+    arguments' shapes and shardings, which the compiled program checks itself); otherwise the
+    jitted step compiles as it always did. A step that cannot be traced raises at
+    `wait_lowered` (before the run writes its records); one that does not compile (out of
+    memory) raises at the first step, as the jitted step's own compile would."""
 
-    def __init__(self, lowered_for: int, future: Future) -> None:
+    def __init__(
+        self, lowered_for: int, lowering: Future, future: Future, times: AheadTimes
+    ) -> None:
         self.decay_steps = lowered_for
+        self._lowering = lowering
         self._future: Future | None = future
         self._jitted: Callable | None = None
         self._compiled: Callable | None = None
+        self.times = times
         self.used = False  # whether the steps run the program compiled ahead
+        self.waited_s = 0.0  # how long the first step waited for the compile to finish
 
     def bind(self, jitted: Callable, decay_steps: int) -> AheadStep:
         """The run's own jitted step, and its schedule's length (a resumed run's may differ)."""
@@ -135,6 +156,10 @@ class AheadStep:
         if decay_steps != self.decay_steps:
             self._future = None
         return self
+
+    def wait_lowered(self) -> None:
+        """Raise what tracing the step raised (a config the step cannot run), on this thread."""
+        self._lowering.result()
 
     @property
     def pending(self) -> bool:
@@ -148,7 +173,9 @@ class AheadStep:
         future, self._future = self._future, None
         if future is not None:
             try:
+                t0 = time.perf_counter()
                 compiled = future.result()
+                self.waited_s = time.perf_counter() - t0
                 out = compiled(state, batch)  # checks the arguments before it runs
             except (TypeError, ValueError):  # not this run's program: nothing was donated
                 pass
@@ -159,16 +186,33 @@ class AheadStep:
         return self._jitted(state, batch)
 
 
-def compile_ahead(cfg: RunConfig, mesh: Mesh) -> AheadStep:
-    """Lower the train step of a run with a fresh schedule here and compile it on a thread (see
-    `AheadStep`)."""
-    decay = default_decay_steps(cfg)
-    prog = abstract_program(cfg, mesh, decay)
-    lowered = prog.step.lower(prog.state, prog.batch)
-    future = in_background(lowered.compile, "jaxjob-compile-ahead")
+def compile_ahead(cfg: RunConfig, mesh: Mesh, decay_steps: int | None = None) -> AheadStep:
+    """Lower and compile on a thread the train step of a run whose schedule is `decay_steps`
+    long (a fresh run's, `default_decay_steps`, unless given; see `AheadStep`)."""
+    decay = decay_steps or default_decay_steps(cfg)
+    times, lowering = AheadTimes(), Future()
+
+    def lower_and_compile():
+        times.started = time.perf_counter()
+        try:
+            prog = abstract_program(cfg, mesh, decay)
+            lowered = prog.step.lower(prog.state, prog.batch)
+        except BaseException as e:
+            lowering.set_exception(e)
+            raise
+        times.lowered = time.perf_counter()
+        lowering.set_result(None)
+        hits = compile_cache.hits_on_this_thread()
+        compiled = lowered.compile()
+        times.from_cache = compile_cache.hits_on_this_thread() > hits
+        times.done = time.perf_counter()
+        return compiled
+
+    compile_cache.count_hits()
+    future = in_background(lower_and_compile, "jaxjob-compile-ahead")
     # A run that ends before its first step (a refused resume, a bad input) must let the compile
     # finish before Python tears down: a thread still inside XLA then aborts the process
     # (SIGABRT, "exception not rethrown") instead of its own exit code. Registered now, after
     # JAX's own exit handlers, so it runs before them.
     atexit.register(wait, [future])
-    return AheadStep(decay, future)
+    return AheadStep(decay, lowering, future, times)

@@ -3,19 +3,25 @@ restored from a committed checkpoint."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import atexit
+import contextlib
+import time
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jobspec.background import in_background
 from jobspec.errors import CheckpointError, ConfigError
 from jobspec.run_config import RunConfig
 from jobspec.run_dir import CHECKPOINTS, MANIFEST
 from jobspec.run_store import ArtifactStore
 from jobspec.storage import RetryPolicy, join, use_policy
 from runtime.host import boot
+from runtime.model.build import ModelParts, build_model
 from runtime.model.sharding import replicated
 from runtime.observe import ledger as buckets
 from runtime.observe.ledger import TimeLedger
@@ -29,6 +35,7 @@ from runtime.run.checkpoint import (
     step_damage,
 )
 from runtime.run.compat import check_compatible
+from runtime.run.meta import CheckpointMeta
 from runtime.train.optim import build_optimizer
 from runtime.train.state import (
     TrainState,
@@ -37,6 +44,16 @@ from runtime.train.state import (
     restored_state,
     state_shardings,
 )
+
+
+@dataclass(frozen=True)
+class RestoreTimes:
+    """When a resume's restore ran (perf_counter seconds: the checkpoint read, its checksums
+    compared beside it, and the finiteness check) and how long the checksums took."""
+
+    started: float
+    done: float
+    verify_s: float | None  # None: the step was saved before checksums (nothing compared)
 
 
 @dataclass
@@ -49,6 +66,7 @@ class InitialState:
     decay_steps: int  # the schedule length fixed by the first attempt
     data_state: dict | None  # the loader's state at `step`
     skipped_steps: int  # skip_step's count so far
+    restore: RestoreTimes | None = None  # a resume's; None for a fresh run
 
 
 def open_run(cfg: RunConfig, resume: bool | str, writer_index: int) -> tuple[ArtifactStore, bool]:
@@ -142,6 +160,15 @@ def past_the_end(cfg: RunConfig, step: int, steps, what: str) -> ConfigError:
     )
 
 
+def resume_decay_steps(ckpt: CheckpointService, from_step: int | None) -> int | None:
+    """The schedule length a resume will most likely restore (that of `from_step`, else of the
+    latest step), read from the step's small meta file ahead of the restore, so the step compiled
+    ahead is the resumed run's; None when it cannot be told (the step then compiles at step 1)."""
+    step = from_step if from_step is not None else ckpt.latest()
+    meta = None if step is None or step not in ckpt.steps() else ckpt.read_meta(step)
+    return None if meta is None else meta.decay_steps
+
+
 def initial_state(
     cfg: RunConfig,
     resume: bool,
@@ -156,8 +183,10 @@ def initial_state(
 ) -> InitialState:
     """The state of a fresh or resumed attempt.
 
-    `from_step` resumes from that committed step instead of the latest, and discards the later
-    ones once it has been read (never before: a bad choice must not cost the newer ones).
+    A resume builds nothing: `parts` is abstract (shapes and shardings) and the checkpoint is
+    read straight into it, its checksums compared beside the read. `from_step` resumes from
+    that committed step instead of the latest, and discards the later ones once it has been
+    read (never before: a bad choice must not cost the newer ones).
     """
     total_steps = cfg.training.total_steps
     # The optimizer state's structure does not depend on the schedule length, so the shardings
@@ -170,29 +199,36 @@ def initial_state(
         state = new_state(parts, provisional, shardings, cfg.run.seed)
         decay_steps = cfg.optimizer.schedule.decay_steps or total_steps
         return InitialState(state, shardings, 0, decay_steps, None, 0)
-    # The newest intact step: a damaged newer one is said, recorded and discarded first.
-    start_step = ckpt.resume_step(from_step)
-    if start_step > total_steps:  # the intact steps left after damaged ones are past the end
-        raise past_the_end(cfg, start_step, ckpt.steps(), "the newest intact checkpoint")
-    if say is not None:
-        say(f"restoring checkpoint {start_step}")
-    # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.
-    check_compatible(ckpt.fingerprint(start_step), fp, step=start_step, reshard=reshard)
+    targets = {
+        "params_target": parts.params,
+        "opt_state_target": abstract_opt_state(provisional, parts.params, shardings),
+    }
+    finite_check = _finite_check_ahead(list(targets.values()), mesh)
     fallback = "rollback" if boot.current() else "resume"
+
+    def before_read(step: int) -> None:
+        if step > total_steps:  # the intact steps left after damaged ones are past the end
+            raise past_the_end(cfg, step, ckpt.steps(), "the newest intact checkpoint")
+        if say is not None:
+            say(f"restoring checkpoint {step}")
+        # Before Orbax reads anything; with --reshard Orbax lays the arrays out for this mesh.
+        check_compatible(ckpt.fingerprint(step), fp, step=step, reshard=reshard)
+
+    started = time.perf_counter()
     try:
         with ledger.timing(buckets.RESTORE):
-            params, opt_state, meta = ckpt.restore(
-                start_step,
-                params_target=parts.params,
-                opt_state_target=abstract_opt_state(provisional, parts.params, shardings),
+            got = ckpt.restore_resume(
+                from_step,
+                before_read=before_read,
                 # A launched job (booted by `runtime worker`) is resumed by submitting it again.
                 fallback=fallback,
+                **targets,
             )
             # Saves are finite (the loop checks first): NaN/inf read back is damage, said now
             # rather than as a divergence at the first step.
-            if not _all_finite((params, opt_state), mesh):
+            if not _all_finite((got.params, got.opt_state), mesh, finite_check):
                 raise ckpt.unreadable(
-                    start_step, "its arrays hold NaN or infinite values", fallback=fallback
+                    got.step, "its arrays hold NaN or infinite values", fallback=fallback
                 )
     except UnreadableCheckpointError as e:
         # The run's own record made honest before the attempt ends: the index marks the step,
@@ -203,26 +239,63 @@ def initial_state(
         except Exception:  # noqa: BLE001 - the unreadable step matters more than its record
             pass
         raise
-    ckpt.mark_readable(start_step)
+    times = RestoreTimes(started, time.perf_counter(), got.verify_s)
+    ckpt.mark_readable(got.step)
     if from_step is not None:
         _discard_later(ckpt, from_step)
-    state = restored_state(parts, params, opt_state, meta, shardings)
-    data_state = meta.data_state_for(jax.process_index())
+    parts = _with_model_state(cfg, parts, got.meta, mesh)
+    state = restored_state(parts, got.params, got.opt_state, got.meta, shardings)
+    data_state = got.meta.data_state_for(jax.process_index())
     return InitialState(
-        state, shardings, start_step, meta.decay_steps, data_state, meta.skipped_steps
-    )
+        state, shardings, got.step, got.meta.decay_steps, data_state, got.meta.skipped_steps,
+        times,
+    )  # fmt: skip
 
 
-def _all_finite(tree: Any, mesh) -> bool:
-    """Whether every floating array of `tree` is finite: one small program, once per restore."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    if not leaves:
-        return True
-    check = jax.jit(
+def _with_model_state(cfg: RunConfig, parts: ModelParts, meta: CheckpointMeta, mesh) -> ModelParts:
+    """`parts` whose non-Param state can seed the restored one: the abstract state serves when
+    the checkpoint recorded it (or the model has none); otherwise (a checkpoint from before
+    router biases were saved with every checkpoint, of a run that never moved them) their
+    initial values are computed: the one init program a resume may run."""
+    if meta.model_state is not None or not jax.tree.leaves(parts.others):
+        return parts
+    built = build_model(cfg.model, cfg.run.seed, mesh, materialise=False)
+    return replace(parts, others=built.others)
+
+
+def _finite_check(mesh):
+    return jax.jit(
         lambda xs: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in xs])),
         out_shardings=replicated(mesh),
     )
-    return bool(np.asarray(jax.device_get(check(leaves))))
+
+
+def _floating(tree: Any) -> list:
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def _finite_check_ahead(targets: Any, mesh) -> Future | None:
+    """The finiteness check of a restore, compiled on a thread while the checkpoint is read."""
+    leaves = _floating(targets)
+    if not leaves:
+        return None
+    future = in_background(
+        lambda: _finite_check(mesh).lower(leaves).compile(), "jaxjob-finite-check"
+    )
+    atexit.register(wait, [future])  # no thread inside XLA at exit (see compile_ahead)
+    return future
+
+
+def _all_finite(tree: Any, mesh, ahead: Future | None = None) -> bool:
+    """Whether every floating array of `tree` is finite: one small program, once per restore
+    (`ahead`: that program compiled beside the read)."""
+    leaves = _floating(tree)
+    if not leaves:
+        return True
+    if ahead is not None:
+        with contextlib.suppress(TypeError, ValueError):  # not these arrays' program
+            return bool(np.asarray(jax.device_get(ahead.result()(leaves))))
+    return bool(np.asarray(jax.device_get(_finite_check(mesh)(leaves))))
 
 
 def _discard_later(ckpt: CheckpointService, from_step: int) -> None:

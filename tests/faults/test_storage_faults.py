@@ -109,7 +109,9 @@ def test_metrics_disk_full_then_torn_lines(tmp_path, prepared, reference, small_
     assert "No space left on device (ENOSPC)" in last, last
     rows = read_jsonl(run_dir / "metrics/train.jsonl")  # whole rows only: the cut write is gone
     failure = _failure(read_jsonl(run_dir / "events.jsonl"))
-    assert failure["step"] == rows[-1]["step"] + 1  # its row is the one that did not fit
+    # The row after the last is the one that did not fit; rows are fetched and written once the
+    # next step is dispatched, so the failure is recorded at that next step, the step reached.
+    assert failure["step"] == rows[-1]["step"] + 2
     assert failure["exit_code"] == EXIT_STORAGE_FAULT
     assert rows[-1]["step"] >= 5, "the tmpfs must hold a checkpoint's worth of rows"
 
@@ -180,4 +182,5 @@ def test_gcs_503s_that_outlast_the_retries(tmp_path, prepared, orbax_gs_run_uri,
 
     store = ArtifactStore(f"{orbax_gs_run_uri}/g2")
     failure = _failure(store.read_jsonl("events.jsonl"))
-    assert failure["step"] == 1 and failure["exit_code"] == EXIT_STORAGE_FAULT
+    # Step 1's row is written once step 2 is dispatched: the step reached when it failed.
+    assert failure["step"] == 2 and failure["exit_code"] == EXIT_STORAGE_FAULT

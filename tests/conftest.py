@@ -278,14 +278,16 @@ def orbax_gs_run_uri(gcs_emulator: GcsEmulator, gs_run_uri: str) -> str:
 pytest_plugins = ("runs", "slurm_cluster")
 
 
-# Seconds per group in a 2-worker run on 2 cores (test_multihost ~600, test_expert_parallel ~450,
-# the SLURM files ~440, then ~300 each): the order the groups start in.
+# The order the longest groups start in: their seconds in a 3-worker run on 2 cores (test_plan_fit
+# ~300, test_expert_parallel ~260, test_multihost ~230, the SLURM files ~200, then 100-210 each).
 LONGEST_GROUPS = (
-    "tests/test_multihost.py", "tests/test_expert_parallel.py", "slurm",
-    "tests/test_launch_local.py", "tests/test_scan.py", "tests/test_train.py",
-    "tests/faults/test_storage_faults.py", "tests/test_rollouts.py",
-    "tests/faults/test_run_owner.py", "tests/faults/test_frozen_host.py", "tests/test_observe.py",
-    "tests/test_gemma4.py", "tests/faults/test_corrupt_checkpoint.py", "tests/test_qwen3_next.py",
+    "tests/test_plan_fit.py", "tests/test_expert_parallel.py", "tests/test_multihost.py",
+    "slurm", "tests/test_gemma4.py", "tests/test_human_output.py",
+    "tests/faults/test_storage_faults.py", "tests/test_launch_local.py",
+    "tests/faults/test_run_owner.py", "tests/test_scan.py", "tests/faults/test_storage_deadline.py",
+    "tests/test_train.py", "tests/test_plan.py", "tests/test_qwen3_next.py", "tests/test_boot.py",
+    "tests/faults/test_frozen_host.py", "tests/test_rollouts.py", "tests/test_compile_cache.py",
+    "tests/test_quiet_start.py",
 )  # fmt: skip
 
 

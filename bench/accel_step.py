@@ -171,7 +171,21 @@ def top_ops(fn, state, batch, k: int, steps: int = 3) -> tuple[Any, list[dict[st
 
 
 def measure(model: str, seq_len: int, batch: int, steps: int, sets: dict, profile_top: int):
+    """One shape's row; remat "auto" as a run resolves it (runtime.train.program.remat_choices:
+    the first policy whose step compiles within the chip's memory; `remat` says which)."""
+    from runtime.train.program import OUT_OF_MEMORY, remat_choices, with_remat
+
     cfg = run_config(model, seq_len, batch, sets)
+    choices = remat_choices(cfg, jax.devices()[0].platform)
+    for remat in choices:
+        row = measure_config(with_remat(cfg, remat), steps, sets, profile_top)
+        if not OUT_OF_MEMORY.search(row.get("error", "")):
+            break
+    return {**row, "remat": remat}
+
+
+def measure_config(cfg, steps: int, sets: dict, profile_top: int) -> dict[str, Any]:
+    seq_len, batch = cfg.training.seq_len, cfg.training.global_batch_size
     row: dict[str, Any] = {"seq_len": seq_len, "batch": batch, "sets": sets}
     devices = jax.devices()
     limit = (devices[0].memory_stats() or {}).get("bytes_limit")

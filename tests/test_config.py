@@ -335,7 +335,9 @@ def test_model_files_match_the_published_parameter_counts(name):  # Qwen3
     m = ModelConfig.model_validate(data["model"])
     assert (m.vocab_size, m.head_dim, m.max_position_embeddings) == (151936, 128, 40960)
     assert m.tie_word_embeddings == (name in TIED)
-    assert (m.param_dtype, m.compute_dtype, m.remat) == ("float32", "bfloat16", "full")
+    # remat "auto" where the preset was measured on a chip (README "On a TPU v5e chip").
+    remat = "auto" if name == "qwen3-0.6b.toml" else "full"
+    assert (m.param_dtype, m.compute_dtype, m.remat) == ("float32", "bfloat16", remat)
     counts = parameter_counts(m)
     total, non_embedding, active = PUBLISHED[name]
     assert counts["total"] == pytest.approx(total, rel=0.03)

@@ -22,6 +22,7 @@ from runtime.model.layers import REMAT_POLICIES
 from runtime.model.qwen3.decoder import Decoder
 from runtime.plan import fit
 from runtime.train.loop import train
+from runtime.train.program import compile_first_fitting, remat_choices
 
 from runs import ROOT, read_jsonl, tiny_config
 
@@ -34,7 +35,55 @@ SPLASH_MODEL = {"vocab_size": 260, "hidden_size": 32, "num_layers": 2, "num_head
 def test_every_config_name_has_a_policy() -> None:
     names = typing.get_args(ModelConfig.model_fields["remat"].annotation)
     assert set(names) == {"none", *REMAT_POLICIES}
-    assert set(names) == set(fit.REMAT_ORDER)
+    # --fit compiles concrete policies; "auto" is a choice among them made at compile time.
+    assert set(names) == {*fit.REMAT_ORDER, "auto"}
+
+
+def test_auto_compiles_attention_on_a_tpu_and_full_where_attention_does_not_fit() -> None:
+    cfg = parse_run_config(tiny_config("unused", "runs", model={"remat": "auto"}))
+    assert remat_choices(cfg, "tpu") == ("attention", "full")
+    # Without the splash kernel "attention" keeps nothing more than "full".
+    assert remat_choices(cfg, "cpu") == remat_choices(cfg, "gpu") == ("full",)
+    xla = parse_run_config(
+        tiny_config("unused", "runs", model={"remat": "auto", "attention": "xla"})
+    )
+    assert remat_choices(xla, "tpu") == ("full",)
+    block = parse_run_config(tiny_config("unused", "runs", model={"remat": "block"}))
+    assert remat_choices(block, "tpu") == ("block",)
+
+    tried: list[str] = []
+
+    def compile_one(c, oom: set[str], returns: bool):
+        tried.append(c.model.remat)
+        if c.model.remat in oom:
+            err = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+            if returns:
+                return c, err
+            raise err
+        return c, "compiled"
+
+    for returns in (False, True):  # the plan returns the compiler's error, a run's compile raises
+        tried.clear()
+        prog, out = compile_first_fitting(cfg, "tpu", lambda c, r=returns: compile_one(c, set(), r))
+        assert (prog.model.remat, out, tried) == ("attention", "compiled", ["attention"])
+        tried.clear()
+        prog, out = compile_first_fitting(
+            cfg, "tpu", lambda c, r=returns: compile_one(c, {"attention"}, r)
+        )
+        assert (prog.model.remat, out, tried) == ("full", "compiled", ["attention", "full"])
+    # Neither fits: the plan gets the last error, a run raises it; any other error is raised.
+    prog, out = compile_first_fitting(
+        cfg, "tpu", lambda c: compile_one(c, {"attention", "full"}, True)
+    )
+    assert prog.model.remat == "full" and isinstance(out, RuntimeError)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        compile_first_fitting(cfg, "tpu", lambda c: compile_one(c, {"attention", "full"}, False))
+
+    def broken(c):
+        raise ValueError("not a memory error")
+
+    with pytest.raises(ValueError, match="not a memory error"):
+        compile_first_fitting(cfg, "tpu", broken)
 
 
 def test_preflight_estimates_every_policy() -> None:

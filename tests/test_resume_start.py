@@ -118,3 +118,52 @@ def test_a_damaged_latest_found_beside_the_read_falls_back_to_the_newest_intact(
     assert len(warned) == 1 and "resuming from checkpoint 1, the newest intact one" in warned[0]
     assert svc.steps() == [1]
     svc.close()
+
+
+def test_the_comparison_started_with_the_process_serves_the_resume_of_that_step_only(
+    tmp_path, monkeypatch
+) -> None:
+    """`runtime local --resume` starts the comparison beside its imports (run/early_check.py):
+    the resume takes that verdict, for the step it was made for; a damaged step is found the
+    same way, and any other step is compared as before."""
+    from runtime.run import early_check
+
+    store = ArtifactStore(str(tmp_path / "run"))
+    svc = CheckpointService(store, keep=3, async_save=False)
+    for step in (1, 2):
+        save(svc, step)
+    svc.close()
+    _corrupt(store, 1, "zeroed opt_state", checksums=True)
+    calls: list[int] = []
+    real_check = checksums.check
+
+    def check(store, rel, **kwargs):
+        calls.append(int(rel.rsplit("/", 1)[-1]))
+        return real_check(store, rel, **kwargs)
+
+    monkeypatch.setattr(checksums, "check", check)
+    params, opt_state = make_state(2.0)
+    targets = {"params_target": abstract(params), "opt_state_target": abstract(opt_state)}
+
+    early_check.start(str(tmp_path / "run"), None)  # the newest step: 2
+    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=3)
+    got = svc.restore_resume(None, before_read=lambda s: None, **targets)
+    assert got.step == 2 and calls == [2]  # compared once, early
+    np.testing.assert_array_equal(np.asarray(got.params["embed"]), np.asarray(params["embed"]))
+    svc.close()
+
+    calls.clear()
+    early_check.start(str(tmp_path / "run"), 1)  # a chosen step, damaged: refused as before
+    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=3)
+    with pytest.raises(UnreadableCheckpointError, match=r"checkpoint 1 .* \(opt_state/"):
+        svc.restore_resume(1, before_read=lambda s: None, **targets)
+    assert calls == [1]
+    svc.close()
+
+    calls.clear()
+    early_check.start(str(tmp_path / "run"), 1)  # made for step 1; the resume reads 2
+    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=3)
+    assert svc.restore_resume(2, before_read=lambda s: None, **targets).step == 2
+    assert calls == [1, 2]  # the early verdict did not stand in for step 2's
+    assert early_check.take(svc.store.root_uri, 1, None) is None  # taken once only
+    svc.close()

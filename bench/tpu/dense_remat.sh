@@ -1,12 +1,14 @@
 # Issue 37, goals 2 and 6 on the TPU v5e chip: the remat policies that keep the splash kernel's
 # outputs against remat full (Qwen3-0.6B, 16,384 tokens a step), and 32,768 tokens of context.
-#   bash bench/tpu/dense_remat.sh [shapes] [long] [local]      (no argument: all three)
+#   bash bench/tpu/dense_remat.sh [shapes] [long] [local] [maxtext]   (no argument: the first three)
 # From the repo root on the TPU machine, with .whl-tpu/ and .peers/ carried (see
 # bench/tpu/device_setup.sh); under 8 minutes of chip time (each phase has its own timeout:
 # 3 x 85 s, 115 s, 90 s). Writes under $OUT:
 #   session.log     what ran, when, and each phase's exit status
-#   shapes.jsonl    bench/accel_step.py rows: 2,048 x 8, 4,096 x 4, 8,192 x 2, remat full and
-#                   attention (memory_analysis of the step compiled on the chip, tokens/s, MFU)
+#   shapes.jsonl    bench/accel_step.py rows: 2,048 x 8, 4,096 x 4, 8,192 x 2, remat full,
+#                   attention, and attention with bf16 logits (memory_analysis of the step
+#                   compiled on the chip, tokens/s, MFU)
+#   maxtext.log     MaxText's defaults (run_tpu.sh) at 2,048 x 8: its MAXTEXT_TPU_JSON lines
 #   long.jsonl      accel_step rows at 32,768 x 1: remat attention_host and full (the defaults)
 #   local.log       `runtime local` at 32,768 x 1 with the defaults, 4 steps: its output, and the
 #                   TPU runtime's lines about the memory it reserves for the program
@@ -19,6 +21,7 @@ mkdir -p "$OUT"
 exec 3>>"$OUT/session.log"
 say() { echo "[dense $(date +%T)] $*" | tee /dev/fd/3 >&2; }
 PHASES=" ${*:-shapes long local} "
+MACHINE_PYTHONPATH=${PYTHONPATH:-}
 MODEL=configs/models/qwen3-0.6b.toml
 
 say "setup"
@@ -29,9 +32,10 @@ if [[ $PHASES == *" shapes "* ]]; then
   # One process a shape (both variants in it, compared under the same conditions): a shape
   # that runs long costs only its own rows.
   for shape in 2048x8 4096x4 8192x2; do
-    say "shapes: $shape, remat full vs attention"
-    timeout 85 python3 bench/accel_step.py --model "$MODEL" --shapes "$shape" --steps 6 \
+    say "shapes: $shape, remat full vs attention, then attention with bf16 logits"
+    timeout 125 python3 bench/accel_step.py --model "$MODEL" --shapes "$shape" --steps 6 \
       --variant "full:model.remat=full" --variant "attention:model.remat=attention" \
+      --variant "attention_bf16:model.remat=attention;training.logits_dtype=bfloat16" \
       >>"$OUT/shapes.jsonl" 2>>"$OUT/err.log"
     say "shapes $shape rc=$?"
   done
@@ -70,6 +74,17 @@ if [[ $PHASES == *" local "* ]]; then
   cp "$RUNS/qwen3-32k/metrics/train.jsonl" "$OUT/local-train.jsonl" 2>/dev/null
   cp "$RUNS/qwen3-32k/events.jsonl" "$OUT/local-events.jsonl" 2>/dev/null
   rm -rf "$RUNS"
+fi
+if [[ $PHASES == *" maxtext "* ]]; then
+  say "maxtext: run_tpu.sh defaults, 2,048 x 8"
+  (
+    export PYTHONPATH=$MACHINE_PYTHONPATH
+    cd .peers && timeout 200 env KEEP_SITE=1 STEPS=20 MTRUN=/tmp/mtrun OOM_RETRY=0 \
+      PER_DEVICE_BATCH_SIZE=8 MAX_TARGET_LENGTH=2048 bash maxtext-tpu/run_tpu.sh
+  ) >"$OUT/maxtext.all" 2>&1
+  say "maxtext rc=$? $(grep -h MAXTEXT_TPU_JSON "$OUT/maxtext.all" | cut -c1-300)"
+  grep -E "MAXTEXT_TPU_JSON|completed step" "$OUT/maxtext.all" | tail -30 >"$OUT/maxtext.log"
+  rm -f "$OUT/maxtext.all"
 fi
 for f in "$OUT"/err.log; do [ -f "$f" ] && tail -30 "$f" >"$f.tail" && mv "$f.tail" "$f"; done
 say "done"

@@ -126,13 +126,15 @@ class ModelConfig(Section):
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Matmul/activation dtype; logits and the loss are always float32."
     )
-    remat: Literal["none", "block", "attention", "attention_host", "full"] = Field(
+    remat: Literal["none", "block", "attention", "attention_host", "full", "auto"] = Field(
         "none",
         description=(
             "What each block keeps for the backward pass (the rest is recomputed from its input): "
             "none: all activations; block: matmul outputs; attention: the splash kernel's output "
             "and log-sum-exp (its forward is not run again); attention_host: the same in host "
-            "memory (HBM as full; copied out and back each step); full: only block inputs."
+            "memory (HBM as full; copied out and back each step); full: only block inputs; "
+            "auto: attention where the step compiled with it fits the devices (splash attention "
+            "on a TPU), else full (a second compile where attention does not fit)."
         ),
     )
     scan_layers: bool = Field(

@@ -138,6 +138,11 @@ def local_cmd(
 
     platform.start_backend()  # beside the imports below (one process: no cluster to form first)
     from jobspec.storage import join
+
+    if resume:  # the checksum comparison beside the imports and the backend's start
+        from runtime.run import early_check
+
+        early_check.start(join(cfg.run.output_uri, cfg.run.id), from_step)
     from runtime.train.loop import train
 
     result = train(cfg, source, resume=resume, max_steps=max_steps, from_step=from_step)

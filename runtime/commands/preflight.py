@@ -51,6 +51,7 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
         "attention": m.hidden_size + m.num_heads * m.resolved_head_dim / max(cfg.mesh.tensor, 1),
         "attention_host": m.hidden_size,  # the kernel's output is kept in host memory
         "full": m.hidden_size,
+        "auto": m.hidden_size,  # full where attention does not fit: the least it needs
     }[m.remat]
     activations = rows * t.seq_len * m.num_layers * per_token_layer * cbytes
     logits = rows * t.seq_len * m.vocab_size * 4 / cfg.mesh.tensor

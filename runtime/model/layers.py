@@ -170,6 +170,10 @@ REMAT_POLICIES: dict[str, Any] = {
     "attention_host": _offloaded(SPLASH_RESIDUALS),
     # Nothing but the block's inputs; the whole block is recomputed in the backward pass.
     "full": jax.checkpoint_policies.nothing_saveable,
+    # A run compiles "auto" as "attention" or "full" (runtime.train.program.remat_choices), each
+    # its own config; a step traced with "auto" itself, as a fallback, is "full": never short of
+    # memory, and the same numbers.
+    "auto": jax.checkpoint_policies.nothing_saveable,
 }
 
 #: The policies under which the backward pass does not run the attention kernel's forward again

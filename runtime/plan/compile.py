@@ -26,9 +26,8 @@ from runtime.model.flops import flops_per_token, parameter_counts
 from runtime.model.sharding import build_mesh
 from runtime.plan import hlo, steptime
 from runtime.plan.targets import Target, check_mesh
-from runtime.train.program import AbstractProgram, abstract_program
-
-_OOM = re.compile(r"RESOURCE_EXHAUSTED|exceeds available HBM|Ran out of memory", re.I)
+from runtime.train.program import OUT_OF_MEMORY as _OOM
+from runtime.train.program import AbstractProgram, abstract_program, compile_first_fitting
 
 
 def _shard_bytes(tree: Any) -> int:
@@ -151,28 +150,35 @@ def analytic_flops(cfg: RunConfig, devices: int) -> dict[str, float]:
 
 
 def compile_program(cfg: RunConfig, devices: list, dump_dir: str | None = None):
-    """(abstract program, compiled step or the exception, seconds): the step on `devices`."""
+    """(abstract program, compiled step or the exception, seconds): the step on `devices`; for
+    remat "auto", the first of its choices that fits (`prog.cfg` says which)."""
     mesh = build_mesh(cfg.mesh, devices)
-    prog = abstract_program(cfg, mesh)
     options = {}
     if dump_dir is not None:
         # The optimized module and its buffer assignment are dumped even when the compile
         # then fails on memory, which is how an out-of-memory plan still names its buffers.
         options = {"xla_dump_to": dump_dir}
+
+    def compile_one(c: RunConfig):
+        prog = abstract_program(c, mesh)
+        lowered = prog.step.lower(prog.state, prog.batch)
+        try:
+            return prog, lowered.compile(options or None)
+        except Exception as e:  # XlaRuntimeError (and JaxRuntimeError) carry the message
+            if not _OOM.search(str(e)):
+                raise
+            return prog, e
+
     t0 = time.perf_counter()
-    lowered = prog.step.lower(prog.state, prog.batch)
-    try:
-        compiled = lowered.compile(options or None)
-    except Exception as e:  # XlaRuntimeError (and JaxRuntimeError) carry the compiler's message
-        if not _OOM.search(str(e)):
-            raise
-        compiled = e
+    prog, compiled = compile_first_fitting(cfg, devices[0].platform, compile_one)
     return prog, mesh, compiled, time.perf_counter() - t0
 
 
-def _model_summary(cfg: RunConfig) -> dict[str, Any]:
+def _model_summary(cfg: RunConfig, asked: RunConfig) -> dict[str, Any]:
+    """What was compiled; `asked` is the config before remat "auto" was resolved."""
     m = cfg.model
     counts = parameter_counts(m)
+    auto = {"remat_asked": "auto"} if asked.model.remat == "auto" else {}
     return {
         "family": m.family,
         "parameters": counts["total"],
@@ -181,12 +187,15 @@ def _model_summary(cfg: RunConfig) -> dict[str, Any]:
         "param_dtype": m.param_dtype,
         "compute_dtype": m.compute_dtype,
         "remat": m.remat,
+        **auto,
         "scan_layers": m.scan_layers,
         "attention": m.attention,
     }
 
 
-def _setup(cfg: RunConfig, target: Target, mesh: Any, seconds: float) -> dict[str, Any]:
+def _setup(
+    cfg: RunConfig, target: Target, mesh: Any, seconds: float, asked: RunConfig
+) -> dict[str, Any]:
     """The head of the report: what was compiled, for what, and how long it took."""
     devices = target.devices
     return {
@@ -199,7 +208,7 @@ def _setup(cfg: RunConfig, target: Target, mesh: Any, seconds: float) -> dict[st
             "tensor": cfg.mesh.tensor,
         },  # fmt: skip
         "device_kind": devices[0].device_kind,
-        "model": _model_summary(cfg),
+        "model": _model_summary(cfg, asked),
         "moe_dispatch": moe_dispatch.describe(cfg.model, mesh),
         "training": {
             "seq_len": cfg.training.seq_len,
@@ -247,7 +256,8 @@ def plan(cfg: RunConfig, target: Target) -> dict[str, Any]:
         # Only a TPU compile fails on memory; its dump then still names the largest buffers.
         dump = tmp if target.kind == "tpu" else None
         prog, mesh, compiled, seconds = compile_program(cfg, devices, dump)
-        report = _setup(cfg, target, mesh, seconds)
+        asked, cfg = cfg, prog.cfg  # remat "auto" resolved
+        report = _setup(cfg, target, mesh, seconds, asked)
         analytic = analytic_flops(cfg, n)
         if isinstance(compiled, Exception):
             report["compiled"] = False

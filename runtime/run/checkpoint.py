@@ -47,7 +47,7 @@ from jobspec.errors import CheckpointError, ConfigError, StorageError, StorageFa
 from jobspec.run_dir import CHECKPOINT_INDEX, CHECKPOINTS, EVENTS, Event, EventKind, checkpoint_dir
 from jobspec.run_store import ArtifactStore
 from jobspec.storage import RetryPolicy, configure_gcs_env, storage_fault
-from runtime.run import checksums
+from runtime.run import checksums, early_check
 from runtime.run.meta import CheckpointMeta
 
 
@@ -271,14 +271,15 @@ def reconciled_entries(
     return entries
 
 
-def _check(store: ArtifactStore, step: int, items: tuple[str, ...] | None) -> checksums.Finding:
-    # gs:// objects by the MD5 GCS keeps (nothing downloaded); local files by content.
+def check_step(store: ArtifactStore, step: int, items: tuple[str, ...] | None) -> checksums.Finding:
+    """`step`'s files (of `items`) against their checksums: gs:// objects by the MD5 GCS keeps
+    (nothing downloaded), local files by content."""
     return checksums.check(store, checkpoint_dir(step), content=not store.remote, items=items)
 
 
 def step_damage(store: ArtifactStore, step: int) -> str | None:
     """What `CheckpointService.damage` says of the files a resume reads, without Orbax."""
-    return _check(store, step, RESUME_ITEMS).damage
+    return check_step(store, step, RESUME_ITEMS).damage
 
 
 class CheckpointService:
@@ -876,7 +877,11 @@ class CheckpointService:
         if step in self._gone:
             return f"{self.directory}/{step} is gone"
         if (step, items) not in self._checked:
-            self._checked[step, items] = _check(self.store, step, items)
+            # A resume's comparison may have started with the process (run/early_check.py).
+            found = early_check.take(self.store.root_uri, step, items)
+            if found is None:
+                found = check_step(self.store, step, items)
+            self._checked[step, items] = found
         return self._checked[step, items].damage
 
     def _forget_checks(self, step: int) -> None:

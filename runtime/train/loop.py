@@ -416,6 +416,7 @@ def _start_figures(run: Run) -> dict[str, Any]:
         out["compile_s"] = round(times.done - times.started, 3)
         out["compile_from_cache"] = times.from_cache
         out["compile_wait_s"] = round(run.step_fn.waited_s, 3)
+        out["remat"] = times.remat  # the policy compiled (remat "auto" resolved)
     r = run.restore
     if r is not None:
         out["restore_s"] = round(r.done - r.started, 3)

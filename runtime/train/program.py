@@ -9,6 +9,7 @@ devices: the same function, shardings and donation, with ShapeDtypeStructs for e
 from __future__ import annotations
 
 import atexit
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
@@ -22,6 +23,7 @@ from jax.sharding import Mesh
 from jobspec.background import in_background
 from jobspec.run_config import RunConfig
 from runtime.host import compile_cache
+from runtime.model import attention
 from runtime.model.build import ModelParts, build_model
 from runtime.model.sharding import batch_sharding, on_mesh, replicated
 from runtime.train.optim import build_optimizer
@@ -29,6 +31,51 @@ from runtime.train.state import TrainState, abstract_opt_state, state_shardings
 from runtime.train.step import BATCH_KEYS, PG_BATCH_KEYS, make_train_step
 
 _FLOAT_KEYS = {"loss_mask", *PG_BATCH_KEYS}
+
+#: What a compile that runs out of device memory says (XLA's TPU compiler raises; the CPU and GPU
+#: compilers do not check memory).
+OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|exceeds available HBM|Ran out of memory", re.I)
+
+
+def remat_choices(cfg: RunConfig, platform: str) -> tuple[str, ...]:
+    """The remat policies to compile in turn, the first that fits the devices taken: the config's
+    own, or for "auto" "attention" then "full" where the attention kernel is splash (the only
+    kernel whose outputs "attention" keeps; without it "attention" is "full")."""
+    remat = cfg.model.remat
+    if remat != "auto":
+        return (remat,)
+    if attention.resolve(cfg.model.attention, platform) == "splash" and platform == "tpu":
+        return ("attention", "full")
+    return ("full",)
+
+
+def with_remat(cfg: RunConfig, remat: str) -> RunConfig:
+    """cfg with `model.remat` set (a resolved "auto")."""
+    if cfg.model.remat == remat:
+        return cfg
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"remat": remat})})
+
+
+def compile_first_fitting(
+    cfg: RunConfig,
+    platform: str,
+    compile_one: Callable[[RunConfig], tuple[AbstractProgram, object]],
+) -> tuple[AbstractProgram, object]:
+    """compile_one(cfg with each of `remat_choices` in turn) -> (program, compiled) of the first
+    that compiles within the devices' memory; the last choice's out-of-memory error is raised (or,
+    where `compile_one` returns it in place of a compiled program, returned)."""
+    choices = remat_choices(cfg, platform)
+    for i, remat in enumerate(choices):
+        last = i == len(choices) - 1
+        try:
+            prog, compiled = compile_one(with_remat(cfg, remat))
+        except Exception as e:
+            if last or not OUT_OF_MEMORY.search(str(e)):
+                raise
+            continue
+        if last or not isinstance(compiled, Exception):
+            return prog, compiled
+    raise AssertionError("unreachable: the last choice returns or raises")
 
 
 def train_program(
@@ -88,6 +135,7 @@ class AbstractProgram:
     state: TrainState
     batch: dict[str, jax.ShapeDtypeStruct]
     parts: ModelParts
+    cfg: RunConfig  # the config it was built from (a resolved remat "auto": see remat_choices)
 
 
 def default_decay_steps(cfg: RunConfig) -> int:
@@ -110,19 +158,22 @@ def abstract_program(cfg: RunConfig, mesh: Mesh, decay_steps: int | None = None)
         model_state=parts.others,
     )
     step = train_program(cfg, parts, tx, schedule, state_sh, mesh)
-    return AbstractProgram(step=step, state=state, batch=abstract_batch(cfg, mesh), parts=parts)
+    return AbstractProgram(
+        step=step, state=state, batch=abstract_batch(cfg, mesh), parts=parts, cfg=cfg
+    )
 
 
 @dataclass
 class AheadTimes:
     """When the ahead compile's thread started, finished lowering and finished compiling
-    (perf_counter seconds; None until then), and whether XLA's program came from the persistent
-    compilation cache."""
+    (perf_counter seconds; None until then), whether XLA's program came from the persistent
+    compilation cache, and the remat policy it was compiled with (remat "auto" resolved)."""
 
     started: float | None = None
     lowered: float | None = None
     done: float | None = None
     from_cache: bool = False
+    remat: str | None = None
 
 
 class AheadStep:
@@ -192,19 +243,27 @@ def compile_ahead(cfg: RunConfig, mesh: Mesh, decay_steps: int | None = None) ->
     decay = decay_steps or default_decay_steps(cfg)
     times, lowering = AheadTimes(), Future()
 
-    def lower_and_compile():
-        times.started = time.perf_counter()
+    def compile_one(c: RunConfig):
         try:
-            prog = abstract_program(cfg, mesh, decay)
+            prog = abstract_program(c, mesh, decay)
             lowered = prog.step.lower(prog.state, prog.batch)
         except BaseException as e:
-            lowering.set_exception(e)
+            if not lowering.done():
+                lowering.set_exception(e)
             raise
-        times.lowered = time.perf_counter()
-        lowering.set_result(None)
+        if not lowering.done():
+            times.lowered = time.perf_counter()
+            lowering.set_result(None)
         hits = compile_cache.hits_on_this_thread()
         compiled = lowered.compile()
         times.from_cache = compile_cache.hits_on_this_thread() > hits
+        times.remat = c.model.remat
+        return prog, compiled
+
+    def lower_and_compile():
+        times.started = time.perf_counter()
+        platform = mesh.devices.flat[0].platform
+        _, compiled = compile_first_fitting(cfg, platform, compile_one)
         times.done = time.perf_counter()
         return compiled
 

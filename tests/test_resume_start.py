@@ -144,9 +144,10 @@ def test_the_comparison_started_with_the_process_serves_the_resume_of_that_step_
     monkeypatch.setattr(checksums, "check", check)
     params, opt_state = make_state(2.0)
     targets = {"params_target": abstract(params), "opt_state_target": abstract(opt_state)}
+    early = early_check.take  # what the train loop hands its CheckpointService
 
     early_check.start(str(tmp_path / "run"), None)  # the newest step: 2
-    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=3)
+    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=3, early_finding=early)
     got = svc.restore_resume(None, before_read=lambda s: None, **targets)
     assert got.step == 2 and calls == [2]  # compared once, early
     np.testing.assert_array_equal(np.asarray(got.params["embed"]), np.asarray(params["embed"]))
@@ -154,7 +155,7 @@ def test_the_comparison_started_with_the_process_serves_the_resume_of_that_step_
 
     calls.clear()
     early_check.start(str(tmp_path / "run"), 1)  # a chosen step, damaged: refused as before
-    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=3)
+    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=3, early_finding=early)
     with pytest.raises(UnreadableCheckpointError, match=r"checkpoint 1 .* \(opt_state/"):
         svc.restore_resume(1, before_read=lambda s: None, **targets)
     assert calls == [1]
@@ -162,7 +163,7 @@ def test_the_comparison_started_with_the_process_serves_the_resume_of_that_step_
 
     calls.clear()
     early_check.start(str(tmp_path / "run"), 1)  # made for step 1; the resume reads 2
-    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=3)
+    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=3, early_finding=early)
     assert svc.restore_resume(2, before_read=lambda s: None, **targets).step == 2
     assert calls == [1, 2]  # the early verdict did not stand in for step 2's
     assert early_check.take(svc.store.root_uri, 1, None) is None  # taken once only

@@ -1,6 +1,7 @@
 # Issue 37, goals 2 and 6 on the TPU v5e chip: the remat policies that keep the splash kernel's
 # outputs against remat full (Qwen3-0.6B, 16,384 tokens a step), and 32,768 tokens of context.
-#   bash bench/tpu/dense_remat.sh [shapes] [long] [local] [maxtext]   (no argument: the first three)
+#   [AUTO_SHAPES=...] [MT_SHAPES=...] bash bench/tpu/dense_remat.sh [shapes] [long] [local] [auto]
+#     [maxtext]   (no argument: the first three)
 # From the repo root on the TPU machine, with .whl-tpu/ and .peers/ carried (see
 # bench/tpu/device_setup.sh); under 8 minutes of chip time (each phase has its own timeout:
 # 3 x 85 s, 115 s, 90 s). Writes under $OUT:
@@ -8,7 +9,9 @@
 #   shapes.jsonl    bench/accel_step.py rows: 2,048 x 8, 4,096 x 4, 8,192 x 2, remat full,
 #                   attention, and attention with bf16 logits (memory_analysis of the step
 #                   compiled on the chip, tokens/s, MFU)
-#   maxtext.log     MaxText's defaults (run_tpu.sh) at 2,048 x 8: its MAXTEXT_TPU_JSON lines
+#                   ("auto": the defaults at AUTO_SHAPES, default 1,024 x 16, in the same file)
+#   maxtext.log     MaxText's defaults (run_tpu.sh) at MT_SHAPES (default 2,048 x 8): its
+#                   MAXTEXT_TPU_JSON lines
 #   long.jsonl      accel_step rows at 32,768 x 1: remat attention_host and full (the defaults)
 #   local.log       `runtime local` at 32,768 x 1 with the defaults, 4 steps: its output, and the
 #                   TPU runtime's lines about the memory it reserves for the program
@@ -75,16 +78,29 @@ if [[ $PHASES == *" local "* ]]; then
   cp "$RUNS/qwen3-32k/events.jsonl" "$OUT/local-events.jsonl" 2>/dev/null
   rm -rf "$RUNS"
 fi
+if [[ $PHASES == *" auto "* ]]; then
+  # The defaults (remat "auto") at each of AUTO_SHAPES, one process.
+  say "auto: ${AUTO_SHAPES:=1024x16}, the defaults"
+  timeout 125 python3 bench/accel_step.py --model "$MODEL" --shapes "${AUTO_SHAPES// /,}" \
+    --steps 6 >>"$OUT/shapes.jsonl" 2>>"$OUT/err.log"
+  say "auto rc=$?"
+fi
+
 if [[ $PHASES == *" maxtext "* ]]; then
-  say "maxtext: run_tpu.sh defaults, 2,048 x 8"
-  (
-    export PYTHONPATH=$MACHINE_PYTHONPATH
-    cd .peers && timeout 200 env KEEP_SITE=1 STEPS=20 MTRUN=/tmp/mtrun OOM_RETRY=0 \
-      PER_DEVICE_BATCH_SIZE=8 MAX_TARGET_LENGTH=2048 bash maxtext-tpu/run_tpu.sh
-  ) >"$OUT/maxtext.all" 2>&1
-  say "maxtext rc=$? $(grep -h MAXTEXT_TPU_JSON "$OUT/maxtext.all" | cut -c1-300)"
-  grep -E "MAXTEXT_TPU_JSON|completed step" "$OUT/maxtext.all" | tail -30 >"$OUT/maxtext.log"
-  rm -f "$OUT/maxtext.all"
+  # MaxText's defaults (run_tpu.sh) at each of MT_SHAPES (seq x per-device batch).
+  for shape in ${MT_SHAPES:-2048x8}; do
+    say "maxtext: run_tpu.sh defaults, $shape"
+    (
+      export PYTHONPATH=$MACHINE_PYTHONPATH
+      cd .peers && timeout 170 env KEEP_SITE=1 STEPS=20 MTRUN=/tmp/mtrun OOM_RETRY=0 \
+        PER_DEVICE_BATCH_SIZE="${shape#*x}" MAX_TARGET_LENGTH="${shape%x*}" \
+        bash maxtext-tpu/run_tpu.sh
+    ) >"$OUT/maxtext.all" 2>&1
+    say "maxtext $shape rc=$? $(grep -h MAXTEXT_TPU_JSON "$OUT/maxtext.all" | cut -c1-300)"
+    grep -E "MAXTEXT_TPU_JSON" "$OUT/maxtext.all" >>"$OUT/maxtext.log"
+    grep -E "RESOURCE_EXHAUSTED" "$OUT/maxtext.all" | head -3 >>"$OUT/maxtext.log"
+    rm -f "$OUT/maxtext.all"
+  done
 fi
 for f in "$OUT"/err.log; do [ -f "$f" ] && tail -30 "$f" >"$f.tail" && mv "$f.tail" "$f"; done
 say "done"

@@ -47,7 +47,7 @@ from jobspec.errors import CheckpointError, ConfigError, StorageError, StorageFa
 from jobspec.run_dir import CHECKPOINT_INDEX, CHECKPOINTS, EVENTS, Event, EventKind, checkpoint_dir
 from jobspec.run_store import ArtifactStore
 from jobspec.storage import RetryPolicy, configure_gcs_env, storage_fault
-from runtime.run import checksums, early_check
+from runtime.run import checksums
 from runtime.run.meta import CheckpointMeta
 
 
@@ -296,10 +296,13 @@ class CheckpointService:
         every: int = 0,
         last_step: int | None = None,
         warn_gone: bool = True,
+        early_finding: Callable[[str, int, tuple[str, ...] | None], Any] | None = None,
     ) -> None:
         """`every`/`last_step` are the run's cadence (`checkpoint.every`, the final step):
         `due` says which steps before the last are periodic saves (every `every`-th).
-        `warn_gone=False` leaves saying that listed steps are gone to the caller (verify)."""
+        `warn_gone=False` leaves saying that listed steps are gone to the caller (verify).
+        `early_finding(root_uri, step, items)`: a checksum comparison made before this service
+        existed (run/early_check.py `take`), or None; compared here when it gives none."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         configure_gcs_env()
@@ -309,6 +312,7 @@ class CheckpointService:
         self.keep = keep
         self.every, self.last_step = every, last_step
         self.best_metric = best_metric
+        self._early_finding = early_finding
         self.read_only = read_only
         self.directory = store.uri(CHECKPOINTS)
         if store.remote:
@@ -878,7 +882,9 @@ class CheckpointService:
             return f"{self.directory}/{step} is gone"
         if (step, items) not in self._checked:
             # A resume's comparison may have started with the process (run/early_check.py).
-            found = early_check.take(self.store.root_uri, step, items)
+            found = None
+            if self._early_finding is not None:
+                found = self._early_finding(self.store.root_uri, step, items)
             if found is None:
                 found = check_step(self.store, step, items)
             self._checked[step, items] = found

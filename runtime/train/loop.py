@@ -35,7 +35,7 @@ from runtime.observe.ledger import TimeLedger
 from runtime.observe.profile import ProfileWindow
 from runtime.observe.sinks import MetricSinks
 from runtime.observe.startup_log import StartupLog
-from runtime.run import artifacts, owner
+from runtime.run import artifacts, early_check, owner
 from runtime.run.checkpoint import CheckpointService
 from runtime.run.compat import run_fingerprint
 from runtime.run.meta import CheckpointMeta
@@ -228,6 +228,7 @@ def _train(
         async_save=cfg.checkpoint.async_,
         every=cfg.checkpoint.every,
         last_step=cfg.training.total_steps,
+        early_finding=early_check.take,  # `runtime local --resume` compares from its start
     )
     info = boot.current()
     attempt = info.attempt if info else 0

@@ -110,3 +110,14 @@ def stderr_lines(text: str) -> list[str]:
     """The non-empty lines of a command's stderr (all of them: no accelerator probing is
     tolerated, see tests/test_quiet_start.py)."""
     return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def user_env() -> dict[str, str]:
+    """This process's environment less what the suite sets for itself (JAX_PLATFORMS, a device
+    count in XLA_FLAGS, and the TPU_* values an in-process plan sets for libtpu's compile-only
+    topologies). The suite's fast XLA compile (tests/conftest.py) stays: it prints nothing and
+    plays no part in the platform choice, and it lets the run's compile hit the suite's cache."""
+    own = ("JAX_PLATFORMS", "XLA_FLAGS", "ALLOW_MULTIPLE_LIBTPU_LOAD")
+    env = {k: v for k, v in os.environ.items() if k not in own and not k.startswith("TPU_")}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    return env | ({"XLA_FLAGS": " ".join(flags)} if flags else {})

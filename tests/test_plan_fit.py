@@ -12,13 +12,16 @@ import yaml
 
 from jobspec.load import load_run_config
 
-from runs import ROOT, tiny_config, write_config
+from runs import ROOT, tiny_config, user_env, write_config
 
 pytestmark = pytest.mark.slow
 
 
-def runtime(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runtime", *args], cwd=ROOT, env=dict(os.environ),
+def runtime(
+    *args: str, timeout: float = 900, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime", *args], cwd=ROOT,
+                          env=dict(os.environ) if env is None else env,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
@@ -32,8 +35,11 @@ def test_fit_picks_a_setting_that_fits_and_writes_an_overlay(
     tmp_path, accelerator, fsdp, kernel, jobs
 ):
     out = tmp_path / "pick.toml"
+    # As a user runs it (JAX_PLATFORMS unset: `runtime` chooses the platform), with libtpu and
+    # the CUDA plugin installed: no probing, no plugin traceback on stderr (test_quiet_start.py).
     res = runtime("plan", "configs/tiny_plan.toml", "--accelerator", accelerator,
-                  "--set", f"mesh.fsdp={fsdp}", "--fit", "--json", "--jobs", jobs, "-o", str(out))  # fmt: skip
+                  "--set", f"mesh.fsdp={fsdp}", "--fit", "--json", "--jobs", jobs, "-o", str(out),
+                  env=user_env())  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr == "", res.stderr
     rep = json.loads(res.stdout)

@@ -26,7 +26,7 @@ from jobspec.load import load_run_config, parse_run_config, read_toml, resolved_
 from jobspec.load_job import load_job
 from runtime.commands.cli import _overrides
 from runtime.model.flops import flops_per_token, parameter_counts
-from runtime.model.qwen3.decoder import Decoder
+from runtime.model.qwen3.decoder import Qwen3Decoder
 from runtime.run.compat import fingerprint
 from runtime.train.loop import train
 
@@ -95,7 +95,7 @@ def test_unknown_devices_get_no_peak(kind):
 def test_parameter_counts_match_the_model(tied):
     cfg = ModelConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       intermediate_size=64, tie_word_embeddings=tied)  # fmt: skip
-    model = Decoder(cfg, rngs=nnx.Rngs(params=0))
+    model = Qwen3Decoder(cfg, rngs=nnx.Rngs(params=0))
     actual = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     counts = parameter_counts(cfg)
     assert counts["total"] == actual

@@ -19,7 +19,7 @@ from runtime.commands.offline import eval_checkpoint, restore_checkpoint, sample
 from runtime.data.loader import TokenBatches
 from runtime.data.manifest import load_manifest
 from runtime.model.build import build_model
-from runtime.model.qwen3.decoder import Decoder
+from runtime.model.qwen3.decoder import Qwen3Decoder
 from runtime.model.sharding import batch_sharding, build_mesh
 from runtime.train.loop import train
 from runtime.train.loss import cross_entropy_sums
@@ -153,7 +153,7 @@ def test_document_masks_isolate_documents(prepared):
     )
     cfg = ModelConfig(vocab_size=260, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       intermediate_size=64, max_position_embeddings=64)  # fmt: skip
-    model = Decoder(cfg, rngs=nnx.Rngs(params=0))
+    model = Qwen3Decoder(cfg, rngs=nnx.Rngs(params=0))
     found = 0
     for step in range(40):
         b = {k: v[0] for k, v in batches.read_step(step).items()}  # [rows, T]

@@ -34,14 +34,14 @@ EXPERT_KEYS: tuple[str, ...] = ("num_experts", "num_experts_per_tok", "moe_inter
 
 
 #: Every family's class by name, in registry order. Filled by `jobspec/families/__init__.py`
-#: (the registry, which imports each family's module); importing this module runs the package's
+#: (the registration, which imports each family's module); importing this module runs the package's
 #: `__init__` first, so it is complete before any config is validated. Kept here, not imported
 #: from the package, because each family's module imports this one.
-FAMILIES: dict[str, type[ModelConfig]] = {}
+MODEL_CONFIGS: dict[str, type[ModelConfig]] = {}
 
 
 def _registry() -> dict[str, type[ModelConfig]]:
-    return FAMILIES
+    return MODEL_CONFIGS
 
 
 @functools.cache
@@ -51,7 +51,7 @@ def _family_name() -> type[BaseModel]:
     return create_model(
         "FamilyName",
         __config__=ConfigDict(extra="ignore"),
-        family=(Literal[tuple(FAMILIES)], DEFAULT_FAMILY),
+        family=(Literal[tuple(MODEL_CONFIGS)], DEFAULT_FAMILY),
     )
 
 

@@ -42,10 +42,12 @@ in `unsupported`.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import PartitionSpec
 
 from runtime.model import sharding
@@ -74,6 +76,34 @@ def masked_attention(
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h, hd)
+
+
+def write_cache(
+    cache: tuple[jax.Array, jax.Array], k: jax.Array, v: jax.Array, index: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The KV cache (k, v [B,S,KV,D]) with the T new keys/values [B,T,KV,D] at slots
+    index..index+T-1, in the cache's dtype (the caller keeps index + T <= S: the update would
+    clamp, not fail)."""
+    ck = lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, index, 0, 0))
+    cv = lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, index, 0, 0))
+    return ck, cv
+
+
+def cached_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: tuple[jax.Array, jax.Array],
+    index: jax.Array,
+    mask: jax.Array,
+    compute_dtype: Any,
+    scale: float | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Decoding: the T new tokens' keys/values written into the cache at `index`, and q
+    attending over every slot under `mask` [B|1,T,S] -> (output [B,T,H,D], the new cache)."""
+    ck, cv = write_cache(cache, k, v, index)
+    out = masked_attention(q, ck.astype(compute_dtype), cv.astype(compute_dtype), mask, scale)
+    return out, (ck, cv)
 
 
 def causal_mask(t: int, segment_ids: jax.Array | None, window: int | None = None) -> jax.Array:

@@ -18,7 +18,7 @@ With a zero router bias the choice is top-k of probs, exactly HF. Two dispatches
   grouped matmuls, returned and combined); dropless, or with a capacity factor that drops and
   counts the overflow. What large MoE models need.
 
-Parameter paths inside `layers[i]` of `runtime.model.qwen3.decoder.Decoder`:
+Parameter paths inside `layers[i]` of `runtime.model.qwen3.decoder.Qwen3Decoder`:
 
     mlp.gate.kernel            [hidden, num_experts]            ("embed", "expert")
     mlp.experts.gate_proj      [E, hidden, moe_intermediate]    ("expert", "embed", "mlp")

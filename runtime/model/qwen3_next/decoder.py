@@ -304,11 +304,8 @@ class GatedAttention(nnx.Module):
             out = attention.attend(q, k, v, segment_ids, impl=self.impl)
         else:
             assert index is not None and mask is not None
-            ck = lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0))
-            cv = lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
             cd = self.compute_dtype
-            out = attention.masked_attention(q, ck.astype(cd), cv.astype(cd), mask)
-            new_kv = (ck, cv)
+            out, new_kv = attention.cached_attention(q, k, v, kv, index, mask, cd)
         out = checkpoint_name(constrain(out * jax.nn.sigmoid(gate), ACT_HEADS), "attention_out")
         return constrain(self.o_proj(out.reshape(b, t, h * hd)), ACT_EMBED), new_kv
 
@@ -389,7 +386,7 @@ class Qwen3NextCache(NamedTuple):
     index: jax.Array
 
 
-class Decoder(DecoderBase):
+class Qwen3NextDecoder(DecoderBase):
     """Qwen3-Next causal LM: token ids in, float32 logits out."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False):
@@ -446,7 +443,7 @@ class Decoder(DecoderBase):
         self, inputs: jax.Array, positions: jax.Array, cache: Qwen3NextCache
     ) -> tuple[jax.Array, Qwen3NextCache]:
         """T new tokens against the cache (a prefill, or a step with T = 1), like
-        qwen3.decoder.Decoder.decode; the caller keeps index + T <= max_len."""
+        qwen3.decoder.Qwen3Decoder.decode; the caller keeps index + T <= max_len."""
         t = inputs.shape[1]
         x = constrain(self.embed_tokens(inputs), ACT_EMBED)
         cos, sin = self._rope(positions)
@@ -464,5 +461,5 @@ class Decoder(DecoderBase):
         return self.logits(self.final_norm(x)), new
 
 
-def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Decoder:
-    return Decoder(cfg, rngs=rngs, eager_sharding=eager_sharding)
+def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Qwen3NextDecoder:
+    return Qwen3NextDecoder(cfg, rngs=rngs, eager_sharding=eager_sharding)

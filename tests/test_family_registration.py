@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jobspec.families import FAMILY_PACKAGES, MODEL_CONFIGS, _config_class
-from jobspec.families.model_config import ModelConfig
+from jobspec.families.model_config import _EXPERT_FAMILIES, ModelConfig
 from runtime.model.registry import spec_for
 
 
@@ -33,3 +33,11 @@ def test_an_unregistered_family_is_one_sentence():
     cfg = ModelConfig.model_construct(family="llama9")
     with pytest.raises(ValueError, match="'llama9' is not a registered model family"):
         spec_for(cfg)
+
+
+def test_the_routed_expert_keys_name_the_families_that_read_them():
+    """The shared expert keys' descriptions (the config reference) list exactly the families
+    that take them."""
+    takers = {name for name, cls in MODEL_CONFIGS.items() if cls.takes_expert_keys}
+    assert set(_EXPERT_FAMILIES.split(", ")) == takers
+    assert _EXPERT_FAMILIES in ModelConfig.model_fields["num_experts"].description

@@ -32,6 +32,12 @@ FAMILY_PACKAGES: dict[str, str] = {
     "gemma4_text": "gemma4_text",
     "qwen3_next": "qwen3_next",
     "qwen2": "qwen2",
+    "llama": "llama",
+    "mistral": "llama",
+    "deepseek_v3": "deepseek_v3",
+    "gpt_oss": "gpt_oss",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
 }
 # fmt: on
 

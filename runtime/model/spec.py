@@ -77,3 +77,8 @@ class ModelSpec:
     hf_ignored: Callable[[ModelConfig], set[str]] = lambda cfg: set()
     #: Name prefixes of further HF tensors import skips (e.g. a multi-token-prediction head).
     hf_ignored_prefixes: tuple[str, ...] = ()
+    #: A checkpoint's tensors -> the same values under the names the map uses (e.g. fused expert
+    #: stacks split per expert, runtime/hf/experts.py); import applies it before the map.
+    hf_read: Callable[[dict[str, Any]], dict[str, Any]] = lambda tensors: tensors
+    #: The map's tensors -> the layout export writes (hf_read's inverse).
+    hf_write: Callable[[dict[str, Any]], dict[str, Any]] = lambda tensors: tensors

@@ -533,9 +533,10 @@ def _meta(run: Run) -> CheckpointMeta:
         fingerprint=run.fingerprint,
         # The loader's state is process-count independent; each process records its own.
         data_state={str(jax.process_index()): run.batches.state_for(step)},
-        # Router biases move outside the gradient, so they are saved when training moves them.
+        # Router biases move outside the gradient, so they are saved when training moves them,
+        # or when they came from an HF checkpoint (deepseek_v3's e_score_correction_bias).
         model_state=model_state_record(run.state)
-        if cfg.model.router_bias_update_rate > 0
+        if cfg.model.router_bias_update_rate > 0 or cfg.model.init_from
         else None,
         skipped_steps=run.metrics.skipped_steps,
     )

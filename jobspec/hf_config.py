@@ -16,16 +16,16 @@ from typing import Any
 from pydantic import BaseModel
 
 from jobspec.errors import ConfigError
-from jobspec.families import FAMILIES
+from jobspec.families import MODEL_CONFIGS
 from jobspec.families.hf import PLAIN
 from jobspec.families.model_config import DEFAULT_FAMILY, ModelConfig
 
 #: Every [model] key an HF config can fill for any family (a family's `hf_keys` add more).
 HF_KEYS: tuple[str, ...] = ("family", *PLAIN, "rope_theta", "param_dtype")
 #: HF model_type -> the family class that reads its config.json.
-HF_MODEL_TYPES: dict[str, type[ModelConfig]] = {name: cls for name, cls in FAMILIES.items()} | {
-    alias: cls for cls in FAMILIES.values() for alias in cls.hf_aliases
-}
+HF_MODEL_TYPES: dict[str, type[ModelConfig]] = {
+    name: cls for name, cls in MODEL_CONFIGS.items()
+} | {alias: cls for cls in MODEL_CONFIGS.values() for alias in cls.hf_aliases}
 
 
 def hf_dir(init_from: str, *, what: str = "model.init_from") -> Path:
@@ -52,7 +52,7 @@ def fills_nothing(model: dict[str, Any]) -> bool:
     MoE sizes) and the whole of its own table count too, a table without `family` always needs
     the lookup."""
     family = model.get("family")
-    cls = FAMILIES.get(family) if isinstance(family, str) else None
+    cls = MODEL_CONFIGS.get(family) if isinstance(family, str) else None
     keys = HF_KEYS + (cls.hf_keys if cls else ())
     for key, table in (_own_tables(cls) if cls else {}).items():
         given = model.get(key)
@@ -94,4 +94,4 @@ def model_fields_from_hf(hf: dict[str, Any], *, what: str = "model.init_from") -
 
 def hf_config_from_model(model: dict[str, Any]) -> dict[str, Any]:
     """An HF config.json dict for a resolved `[model]` section (our names, as in resolved.json)."""
-    return FAMILIES[model.get("family", DEFAULT_FAMILY)].hf_config(model)
+    return MODEL_CONFIGS[model.get("family", DEFAULT_FAMILY)].hf_config(model)

@@ -201,7 +201,7 @@ def _batch(cfg: ModelConfig, accum: int, rows: int, seq: int, seed: int) -> dict
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_end_to_end_params_gradient(tie, objective):
     """d loss / d params through the model: the chunked loss against the model's own whole
-    logits (`Decoder.__call__`) and the full-logits loss functions, tied and untied heads."""
+    logits (`Qwen3Decoder.__call__`) and the full-logits loss functions, tied and untied heads."""
     cfg = _tiny(tie)
     parts = build_model(cfg, 0, build_mesh(MeshConfig()))
     mb = {k: v[0] for k, v in _batch(cfg, 1, 2, 12, seed=3).items()}

@@ -190,7 +190,7 @@ def test_multimodal_checkpoint_imports_its_text_model(tmp_path, capsys):
     cfg, ours = imported(src)
     assert cfg.family == "gemma4_text" and cfg.gemma4.hidden_size_per_layer_input == 8
     assert (
-        "multimodal Gemma 4 checkpoint; imported its text model and left out"
+        "multimodal Gemma4ForConditionalGeneration checkpoint; imported its text model and left out"
         in capsys.readouterr().err
     )
     logits = np.asarray(ours(jnp.asarray(BATCH), positions_of(BATCH)))

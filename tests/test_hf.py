@@ -199,11 +199,11 @@ def test_init_from_fills_model_keys_and_toml_wins(tmp_path):
     base["model"] = {"init_from": "gs://bucket/model"}
     with pytest.raises(ConfigError, match="model.init_from: 'gs://bucket/model' is not 'hf:PATH'"):
         parse_run_config(base)
-    other = tmp_path / "llama"
+    other = tmp_path / "phi3"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (other / "config.json").write_text(json.dumps({"model_type": "phi3"}))
     base["model"] = {"init_from": f"hf:{other}"}
-    with pytest.raises(ConfigError, match="model.init_from: model_type 'llama' is not supported"):
+    with pytest.raises(ConfigError, match="model.init_from: model_type 'phi3' is not supported"):
         parse_run_config(base)
 
 

@@ -19,7 +19,7 @@ from flax import nnx
 from jobspec.families.model_config import ModelConfig
 from runtime.model.layers import LOGICAL_AXES
 from runtime.model.qwen3.counts import param_count
-from runtime.model.qwen3.decoder import Decoder
+from runtime.model.qwen3.decoder import Qwen3Decoder
 
 TINY: dict[str, Any] = dict(
     vocab_size=97,
@@ -36,8 +36,8 @@ TINY: dict[str, Any] = dict(
 )
 
 
-def make(seed: int = 0, **overrides: Any) -> Decoder:
-    return Decoder(ModelConfig(**{**TINY, **overrides}), rngs=nnx.Rngs(params=seed))
+def make(seed: int = 0, **overrides: Any) -> Qwen3Decoder:
+    return Qwen3Decoder(ModelConfig(**{**TINY, **overrides}), rngs=nnx.Rngs(params=seed))
 
 
 def tokens(batch: int, length: int, seed: int = 0, vocab: int = 97) -> jax.Array:
@@ -54,7 +54,7 @@ def _forward(graphdef: Any, params: Any, ids: jax.Array, pos: jax.Array, seg: An
 
 
 def forward(
-    model: Decoder, ids: jax.Array, pos: jax.Array, seg: jax.Array | None = None
+    model: Qwen3Decoder, ids: jax.Array, pos: jax.Array, seg: jax.Array | None = None
 ) -> jax.Array:
     # Jitted (one compile per config and shape): eager NNX dispatch op by op is slow on CPU.
     graphdef, params = nnx.split(model)
@@ -65,7 +65,7 @@ def _np(p: nnx.Param) -> np.ndarray:
     return np.asarray(p[...], np.float64)
 
 
-def _reference_logits(model: Decoder, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+def _reference_logits(model: Qwen3Decoder, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
     cfg = model.cfg
     eps, d = cfg.rms_norm_eps, cfg.resolved_head_dim
     h, kvh = cfg.num_heads, cfg.num_kv_heads
@@ -109,7 +109,7 @@ def _reference_logits(model: Decoder, ids: np.ndarray, positions: np.ndarray) ->
     return x @ head
 
 
-def _randomise_norms(model: Decoder, seed: int) -> None:
+def _randomise_norms(model: Qwen3Decoder, seed: int) -> None:
     # Norm scales start at ones; perturb them so the reference check also covers their use.
     rng = np.random.default_rng(seed)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):

@@ -19,7 +19,7 @@ from jobspec.families.model_config import ModelConfig
 from jobspec.load import merge, parse_run_config
 from runtime.commands.preflight import memory_estimate
 from runtime.model.layers import REMAT_POLICIES
-from runtime.model.qwen3.decoder import Decoder
+from runtime.model.qwen3.decoder import Qwen3Decoder as Decoder
 from runtime.plan import fit
 from runtime.train.loop import train
 from runtime.train.program import compile_first_fitting, remat_choices

@@ -14,7 +14,7 @@ from flax import nnx
 from jobspec.errors import ConfigError
 from jobspec.families.model_config import ModelConfig
 from runtime.model.generate import _generate_jit, generate
-from runtime.model.qwen3.decoder import Decoder, KVCache
+from runtime.model.qwen3.decoder import KVCache, Qwen3Decoder
 
 TINY: dict[str, Any] = dict(
     vocab_size=97,
@@ -30,8 +30,8 @@ TINY: dict[str, Any] = dict(
 
 
 @pytest.fixture(scope="module")
-def model() -> Decoder:
-    return Decoder(ModelConfig(**TINY), rngs=nnx.Rngs(params=0))
+def model() -> Qwen3Decoder:
+    return Qwen3Decoder(ModelConfig(**TINY), rngs=nnx.Rngs(params=0))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -40,7 +40,7 @@ def _forward(graphdef: Any, params: Any, ids: jax.Array) -> jax.Array:
     return nnx.merge(graphdef, params)(ids, pos)
 
 
-def forward(model: Decoder, ids: jax.Array) -> jax.Array:
+def forward(model: Qwen3Decoder, ids: jax.Array) -> jax.Array:
     return _forward(*nnx.split(model), ids)
 
 
@@ -55,7 +55,7 @@ def _decode(
     return nnx.merge(graphdef, params).decode(ids, pos, cache)
 
 
-def test_decode_with_cache_matches_full_forward(model: Decoder) -> None:
+def test_decode_with_cache_matches_full_forward(model: Qwen3Decoder) -> None:
     batch, prompt_len, steps = 2, 5, 6
     ids = jnp.asarray(
         np.random.default_rng(1).integers(0, 97, (batch, prompt_len + steps)), jnp.int32
@@ -80,7 +80,7 @@ def test_decode_with_cache_matches_full_forward(model: Decoder) -> None:
     assert cache.k[0].shape == (batch, prompt_len + steps + 3, 2, 8)
 
 
-def _greedy_by_full_forward(model: Decoder, prompt: list[int], n: int) -> list[int]:
+def _greedy_by_full_forward(model: Qwen3Decoder, prompt: list[int], n: int) -> list[int]:
     # One fixed-length buffer (one compile): causality makes the zero tail irrelevant.
     buf = np.zeros((1, len(prompt) + n), np.int32)
     buf[0, : len(prompt)] = prompt
@@ -90,7 +90,7 @@ def _greedy_by_full_forward(model: Decoder, prompt: list[int], n: int) -> list[i
     return buf[0, len(prompt) :].tolist()
 
 
-def test_greedy_generation_equals_full_forward_argmax(model: Decoder) -> None:
+def test_greedy_generation_equals_full_forward_argmax(model: Qwen3Decoder) -> None:
     prompt = [5, 17, 42, 8]
     want = _greedy_by_full_forward(model, prompt, 8)
     top1 = generate(model, prompt, max_new_tokens=8, temperature=1.0, top_k=1, seed=0)
@@ -102,7 +102,7 @@ def test_greedy_generation_equals_full_forward_argmax(model: Decoder) -> None:
     assert zero_t["tokens"] == want
 
 
-def test_sampling_is_reproducible_from_seed(model: Decoder) -> None:
+def test_sampling_is_reproducible_from_seed(model: Qwen3Decoder) -> None:
     kw: dict[str, Any] = dict(max_new_tokens=12, temperature=1.5, top_k=None)
     a = generate(model, [1, 2, 3], seed=7, **kw)
     b = generate(model, [1, 2, 3], seed=7, **kw)
@@ -115,7 +115,7 @@ def test_sampling_is_reproducible_from_seed(model: Decoder) -> None:
     assert all(0 <= t < 97 for t in a["tokens"])
 
 
-def test_top_k_restricts_choices(model: Decoder) -> None:
+def test_top_k_restricts_choices(model: Qwen3Decoder) -> None:
     prompt = [3, 1, 4, 1, 5]
     last = forward(model, jnp.asarray([prompt], jnp.int32))[0, -1]
     allowed = set(np.argsort(-np.asarray(last))[:3].tolist())
@@ -127,7 +127,7 @@ def test_top_k_restricts_choices(model: Decoder) -> None:
     assert firsts <= allowed and len(firsts) > 1
 
 
-def test_generation_stops_at_eos(model: Decoder) -> None:
+def test_generation_stops_at_eos(model: Qwen3Decoder) -> None:
     prompt = [5, 17, 42, 8]
     greedy = _greedy_by_full_forward(model, prompt, 3)
     eos = greedy[2]
@@ -137,7 +137,7 @@ def test_generation_stops_at_eos(model: Decoder) -> None:
     assert out["stop_reason"] == "eos"
 
 
-def test_new_seed_or_temperature_does_not_recompile(model: Decoder) -> None:
+def test_new_seed_or_temperature_does_not_recompile(model: Qwen3Decoder) -> None:
     kw: dict[str, Any] = dict(max_new_tokens=4, top_k=5)
     generate(model, [1, 2], temperature=0.9, seed=0, **kw)
     size = _generate_jit._cache_size()
@@ -162,7 +162,7 @@ def test_new_seed_or_temperature_does_not_recompile(model: Decoder) -> None:
     ],
 )
 def test_bad_arguments_raise_config_error(
-    model: Decoder, prompt: Any, kwargs: dict[str, Any], match: str
+    model: Qwen3Decoder, prompt: Any, kwargs: dict[str, Any], match: str
 ) -> None:
     args: dict[str, Any] = dict(max_new_tokens=4, temperature=1.0, top_k=None, seed=0)
     with pytest.raises(ConfigError, match=match):

@@ -20,7 +20,7 @@ from runtime.commands.offline import eval_checkpoint, restore_checkpoint, sample
 from runtime.data.loader import TokenBatches
 from runtime.data.manifest import load_manifest
 from runtime.model.build import build_model
-from runtime.model.qwen3.decoder import Decoder
+from runtime.model.qwen3.decoder import Qwen3Decoder
 from runtime.model.sharding import batch_sharding, build_mesh
 from runtime.train.loop import train
 from runtime.train.loss import cross_entropy_sums
@@ -159,7 +159,7 @@ def test_document_masks_isolate_documents(prepared):
     )
     cfg = ModelConfig(vocab_size=260, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       intermediate_size=64, max_position_embeddings=64)  # fmt: skip
-    model = Decoder(cfg, rngs=nnx.Rngs(params=0))
+    model = Qwen3Decoder(cfg, rngs=nnx.Rngs(params=0))
     # One compiled program for the packed rows and one for a document alone, right-padded to
     # the row's length (causal: the padding after a document never reaches its logits; its
     # targets are not counted).

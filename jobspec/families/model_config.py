@@ -27,6 +27,8 @@ from pydantic import (
 
 from jobspec.section import PositiveFloat, PositiveInt, Section
 
+#: The families that read the shared routed-experts keys, as their descriptions name them.
+_EXPERT_FAMILIES = "qwen3_moe, qwen3_next, qwen3_5_moe_text, deepseek_v3"
 #: The family of a `[model]` table that names none.
 DEFAULT_FAMILY = "qwen3"
 #: The shared routed-experts sizes, for the families that take them (`takes_expert_keys`).
@@ -34,14 +36,14 @@ EXPERT_KEYS: tuple[str, ...] = ("num_experts", "num_experts_per_tok", "moe_inter
 
 
 #: Every family's class by name, in registry order. Filled by `jobspec/families/__init__.py`
-#: (the registry, which imports each family's module); importing this module runs the package's
+#: (the registration, which imports each family's module); importing this module runs the package's
 #: `__init__` first, so it is complete before any config is validated. Kept here, not imported
 #: from the package, because each family's module imports this one.
-FAMILIES: dict[str, type[ModelConfig]] = {}
+MODEL_CONFIGS: dict[str, type[ModelConfig]] = {}
 
 
 def _registry() -> dict[str, type[ModelConfig]]:
-    return FAMILIES
+    return MODEL_CONFIGS
 
 
 @functools.cache
@@ -51,7 +53,7 @@ def _family_name() -> type[BaseModel]:
     return create_model(
         "FamilyName",
         __config__=ConfigDict(extra="ignore"),
-        family=(Literal[tuple(FAMILIES)], DEFAULT_FAMILY),
+        family=(Literal[tuple(MODEL_CONFIGS)], DEFAULT_FAMILY),
     )
 
 
@@ -82,22 +84,26 @@ class ModelConfig(Section):
         ),
     )
     num_experts: PositiveInt | None = Field(
-        None, description="qwen3_moe, qwen3_next: routed experts per layer."
+        None, description=f"{_EXPERT_FAMILIES}: routed experts per layer."
     )
     num_experts_per_tok: PositiveInt | None = Field(
-        None, description="qwen3_moe, qwen3_next: experts each token uses (top-k)."
+        None, description=f"{_EXPERT_FAMILIES}: experts each token uses (top-k)."
     )
     moe_intermediate_size: PositiveInt | None = Field(
-        None, description="qwen3_moe, qwen3_next: hidden width of each expert."
+        None, description=f"{_EXPERT_FAMILIES}: hidden width of each expert."
     )
     norm_topk_prob: bool = Field(
-        True, description="qwen3_moe, qwen3_next: renormalise the top-k router weights to sum to 1."
+        True,
+        description=(
+            "qwen3_moe, qwen3_next, deepseek_v3: renormalise the top-k router weights to sum to "
+            "1 (qwen3_5_moe_text and gpt_oss always do: false is refused)."
+        ),
     )
     router_bias_update_rate: Annotated[float, Field(ge=0)] = Field(
         0.0,
         description=(
-            "qwen3_moe, qwen3_next: aux-loss-free load balancing; per step each expert's selection bias moves by "
-            "this rate toward equal load (0 = off)."
+            f"{_EXPERT_FAMILIES}: aux-loss-free load balancing; per step each expert's "
+            "selection bias moves by this rate toward equal load (0 = off)."
         ),
     )
     vocab_size: PositiveInt = Field(

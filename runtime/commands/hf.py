@@ -32,7 +32,7 @@ from runtime.run.checkpoint import CheckpointService, load_index
 from runtime.run.compat import run_fingerprint
 from runtime.run.meta import CheckpointMeta, run_manifest
 from runtime.train.optim import build_optimizer
-from runtime.train.state import new_state, state_shardings
+from runtime.train.state import model_state_record, new_state, state_shardings
 
 
 def export_checkpoint(
@@ -47,15 +47,17 @@ def export_checkpoint(
 
     The folder is replaced whole (runtime/hf/export_dir.py): a folder holding files jaxjob did
     not export is refused unless `overwrite`, and even then only its model files are replaced.
-    Only parameters are exported: a qwen3_moe or qwen3_next run's router bias
-    (router_bias_update_rate > 0) has no HF tensor, so HF routes such an export as if that bias
-    were zero.
+    A qwen3_moe or qwen3_next run's router bias (router_bias_update_rate > 0) has no HF tensor,
+    so HF routes such an export as if that bias were zero; deepseek_v3's is HF's
+    e_score_correction_bias and is exported as the checkpoint holds it.
     """
     check_out(out_dir, overwrite=overwrite)  # before the restore: a bad --out costs no read
     _, cfg, step, parts, _ = restore_checkpoint(run, selector)
 
     def write(folder: Path) -> list[str]:
-        return write_hf(cfg.model, parts.params, folder, max_shard_bytes=max_shard_bytes)
+        return write_hf(
+            cfg.model, parts.params, folder, others=parts.others, max_shard_bytes=max_shard_bytes
+        )
 
     record = {"run_id": cfg.run.id, "step": step, "checkpoint": selector, "time": now()}
     files = replace_folder(out_dir, write, overwrite=overwrite, record=record)
@@ -166,6 +168,8 @@ def _write_import(cfg: RunConfig, store: ArtifactStore, src: Path) -> Manifest |
         config=resolved_dict(cfg),
         fingerprint=run_fingerprint(cfg, manifest) if manifest else {},
         data_state={"0": _start_data_state(cfg, manifest)} if manifest else None,
+        # The model state as imported (deepseek_v3's router bias is an HF tensor).
+        model_state=model_state_record(state) if jax.tree.leaves(state.model_state) else None,
         imported_from=str(src),
     )
     store.write_text(SOURCE_CONFIG, to_toml(cfg))

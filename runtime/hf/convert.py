@@ -97,9 +97,9 @@ def flat_params(params: Any) -> dict[Path_, Any]:
 
 
 def text_model_tensors(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
-    """A multimodal Gemma 4 checkpoint's text model under the text-only names
+    """A multimodal checkpoint's text model (Gemma 4's, Qwen3.5's) under the text-only names
     (`model.language_model.X` -> `model.X`; `lm_head.*` as it is), and the names left out (the
-    vision and audio towers and their embedders)."""
+    vision and audio towers and their embedders, a multi-token-prediction head)."""
     prefix = "model.language_model."
     out, left = {}, []
     for name, a in tensors.items():
@@ -113,16 +113,21 @@ def text_model_tensors(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.nda
 
 
 def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
-    """The HF dir's tensors. A multimodal Gemma 4 checkpoint (tensors under
-    `model.language_model.*`) gives its text model; a note on stderr says what was left out."""
+    """The HF dir's tensors. A multimodal checkpoint (tensors under `model.language_model.*`)
+    gives its text model; one note on stderr says what was left out."""
     tensors = read_safetensors(path)
     if any(n.startswith("model.language_model.") for n in tensors):
         tensors, left = text_model_tensors(tensors)
         if left:
-            groups = sorted({".".join(n.split(".")[:2]) for n in left})
+            # model.visual, model.audio_tower, ...; a top-level head (mtp) as one group.
+            groups = sorted(
+                {".".join(n.split(".")[: 2 if n.startswith("model.") else 1]) for n in left}
+            )
+            arch = (read_hf_config(path).get("architectures") or ["?"])[0]
             print(
-                f"note: {path} is a multimodal Gemma 4 checkpoint; imported its text model and "
-                f"left out {len(left)} tensors of {', '.join(groups)}",
+                f"note: {path} is a multimodal {arch} checkpoint; imported its text model and "
+                f"left out {len(left)} tensors of {', '.join(groups)} (vision tower and others: "
+                "not imported)",
                 file=sys.stderr,
             )
     return tensors
@@ -154,6 +159,31 @@ def place_params(flat: dict[Path_, np.ndarray], abstract_params: Any, shardings:
             a = a.astype(ab.dtype)
         placed[path] = jax.make_array_from_callback(a.shape, sh_flat[path], lambda i, a=a: a[i])
     new = jax.tree.map(lambda x: x, abstract_params)  # a copy; the target stays abstract
+    nnx.replace_by_pure_dict(new, traverse_util.unflatten_dict(placed))
+    return new
+
+
+def place_state(flat: dict[Path_, np.ndarray], state: Any, shardings: Any) -> Any:
+    """The non-Param model state `state` (concrete, e.g. MoE router biases) with the arrays
+    `flat` holds for its paths, laid out with `shardings`; paths `flat` lacks keep their value.
+    A family's name map may give such state an HF tensor (deepseek_v3's router bias)."""
+    import jax
+    from flax import nnx, traverse_util
+
+    own, sh_flat = flat_params(state), flat_params(shardings)
+    placed = {}
+    for path in own.keys() & flat.keys():
+        a, ref = flat[path], own[path]
+        if tuple(a.shape) != tuple(ref.shape):
+            raise ConfigError(
+                f"HF weight for {_fmt(path)} has shape {tuple(a.shape)}, the model needs "
+                f"{tuple(ref.shape)}"
+            )
+        a = a.astype(ref.dtype)
+        placed[path] = jax.make_array_from_callback(a.shape, sh_flat[path], lambda i, a=a: a[i])
+    if not placed:
+        return state
+    new = jax.tree.map(lambda x: x, state)
     nnx.replace_by_pure_dict(new, traverse_util.unflatten_dict(placed))
     return new
 

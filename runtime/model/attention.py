@@ -1,19 +1,24 @@
 """Causal self-attention kernels behind `model.attention`, one entry point for the decoder.
 
-    attend(q, k, v, segment_ids, impl=..., scale=None, window=None)
+    attend(q, k, v, segment_ids, impl=..., scale=None, window=None, sinks=None)
         q [B, T, H, D], k/v [B, T, KV, D] -> [B, T, H, D]
 
 Attention is causal and, with segment ids [B, T], limited to equal ids (packed documents never
 see each other); with a `window` W, a query also sees only itself and the W-1 keys before it
 (HF's sliding window, `kv > q - W`). Query head h reads kv head h // (H / KV) (HF's repeat_kv
-order); scale 1/sqrt(D) unless `scale` is given (Gemma 4 uses 1.0); softmax in fp32. `xla` is the einsum reference every other kernel is tested against;
-`masked_attention` is its dense-mask form, which decoding against a KV cache uses.
+order); scale 1/sqrt(D) unless `scale` is given (Gemma 4 uses 1.0); softmax in fp32. With
+`sinks` [H] (gpt-oss's attention sinks) each head's softmax denominator also holds exp(sink_h),
+a logit no value goes with: probs = exp(s) / (sum exp(s) + exp(sink)). `xla` is the einsum
+reference every other kernel is tested against; `masked_attention` is its dense-mask form,
+which decoding against a KV cache uses.
 
 The kernels:
 
 - `xla`: scores for every (query, key) pair, masked, softmaxed: O(B·H·T²) temporaries.
 - `splash`: the Pallas TPU splash-attention kernel (flash-style, blocks of the causal mask that
-  are all zero are skipped). Packed documents go in as `SegmentIds`, so no T x T mask is ever
+  are all zero are skipped; sinks are the kernel's own `sinks` argument, which starts each
+  row's running max and denominator at the sink, exact forward and backward). Packed documents
+  go in as `SegmentIds`, so no T x T mask is ever
   materialised; GQA is the kernel's own grouped form (k/v [KV, T, D], query head h reads kv
   head h // (H / KV)). Under a mesh (`sharding.current_mesh()`, set by the train step) it runs
   inside `jax.shard_map`: batch over the batch axes and heads over `tensor`, the same specs
@@ -28,7 +33,8 @@ The kernels:
   in through the public `mask` argument: a bool [B, 1, T, T] equal-segment mask that jax turns
   into an additive bf16/fp16 bias the fused kernel reads blockwise. That costs B·T²·2 bytes of
   HBM per layer (32 MiB per 4,096-token row, shared by all heads) and a dbias output in the
-  backward pass; with `segment_ids=None` no mask is passed and the kernel is causal only.
+  backward pass; with `segment_ids=None` no mask is passed and the kernel is causal only. It has
+  no sinks: with `sinks` it is refused (`unsupported`), never approximated.
 - `auto`: splash on TPU, cudnn on GPU (CUDA), xla elsewhere, by the platform of the devices
   being compiled for: the current mesh's devices when a mesh is active (so `runtime plan` on a
   CPU machine compiling for TPU picks splash), else JAX's default backend.
@@ -42,10 +48,12 @@ in `unsupported`.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import PartitionSpec
 
 from runtime.model import sharding
@@ -67,9 +75,15 @@ SPLASH_RESIDUALS = "attention_kernel_out"
 
 
 def masked_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    scale: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """q [B,T,H,D], k/v [B,S,KV,D], mask bool [B|1, T, S] (True = may attend) -> [B,T,H,D]."""
+    """q [B,T,H,D], k/v [B,S,KV,D], mask bool [B|1, T, S] (True = may attend), sinks [H] or
+    None -> [B,T,H,D]."""
     b, t, h, hd = q.shape
     kvh = k.shape[2]
     # Grouped einsum instead of materialising repeat_kv: head h = g * rep + r reads kv head g.
@@ -78,8 +92,52 @@ def masked_attention(
     scores = scores * (hd**-0.5 if scale is None else scale)
     # where (not an additive -inf) so a masked slot is exactly 0 after softmax.
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        probs = softmax_with_sinks(scores, sinks.reshape(kvh, h // kvh))
+    probs = probs.astype(q.dtype)
     return jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h, hd)
+
+
+def softmax_with_sinks(scores: jax.Array, sinks: jax.Array) -> jax.Array:
+    """fp32 scores [B, G, R, T, S], sinks [G, R] (head g * R + r) -> probabilities [B, G, R, T, S]
+    whose rows sum to 1 - the sink's share: the softmax over [scores, sink] with the sink's
+    column dropped (HF GptOss's concat-softmax-slice), without materialising the extra column."""
+    sink = sinks.astype(jnp.float32)[None, :, :, None, None]
+    # The max is only a shift (the softmax does not depend on it), so it carries no gradient.
+    m = lax.stop_gradient(jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink))
+    e = jnp.exp(scores - m)
+    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))
+
+
+def write_cache(
+    cache: tuple[jax.Array, jax.Array], k: jax.Array, v: jax.Array, index: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The KV cache (k, v [B,S,KV,D]) with the T new keys/values [B,T,KV,D] at slots
+    index..index+T-1, in the cache's dtype (the caller keeps index + T <= S: the update would
+    clamp, not fail)."""
+    ck = lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, index, 0, 0))
+    cv = lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, index, 0, 0))
+    return ck, cv
+
+
+def cached_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: tuple[jax.Array, jax.Array],
+    index: jax.Array,
+    mask: jax.Array,
+    compute_dtype: Any,
+    scale: float | None = None,
+    sinks: jax.Array | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Decoding: the T new tokens' keys/values written into the cache at `index`, and q
+    attending over every slot under `mask` [B|1,T,S] -> (output [B,T,H,D], the new cache)."""
+    ck, cv = write_cache(cache, k, v, index)
+    kc, vc = ck.astype(compute_dtype), cv.astype(compute_dtype)
+    return masked_attention(q, kc, vc, mask, scale, sinks), (ck, cv)
 
 
 def causal_mask(t: int, segment_ids: jax.Array | None, window: int | None = None) -> jax.Array:
@@ -101,9 +159,10 @@ def xla_attention(
     segment_ids: jax.Array | None,
     scale: float | None = None,
     window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The reference: scores for every (query, key) pair, masked, softmaxed."""
-    return masked_attention(q, k, v, causal_mask(q.shape[1], segment_ids, window), scale)
+    return masked_attention(q, k, v, causal_mask(q.shape[1], segment_ids, window), scale, sinks)
 
 
 # --- platform ---------------------------------------------------------------------------------
@@ -129,9 +188,15 @@ def resolve(impl: str, platform: str | None = None) -> str:
 
 
 def unsupported(
-    kernel: str, q: jax.Array, k: jax.Array, segment_ids: jax.Array | None, platform: str
+    kernel: str,
+    q: jax.Array,
+    k: jax.Array,
+    segment_ids: jax.Array | None,
+    platform: str,
+    sinks: bool = False,
 ) -> str | None:
-    """Why `kernel` cannot take these inputs on `platform` (a sentence), or None if it can."""
+    """Why `kernel` cannot take these inputs on `platform` (a sentence), or None if it can;
+    `sinks`: the call has attention sinks."""
     if q.ndim != 4 or k.ndim != 4 or q.shape[2] % k.shape[2]:
         return f"q [B,T,H,D] and k/v [B,T,KV,D] with KV dividing H (got {q.shape}, {k.shape})"
     t, d = q.shape[1], q.shape[3]
@@ -141,6 +206,8 @@ def unsupported(
         if t % 128:
             return f"splash needs the sequence length to be a multiple of 128, got {t}"
     elif kernel == "cudnn":
+        if sinks:
+            return "cudnn cannot honour attention sinks (a learned logit per head in the softmax)"
         if platform not in ("cuda", "gpu"):
             return f"cudnn runs on CUDA GPUs only, not {platform}"
         if q.dtype not in _CUDNN_DTYPES:
@@ -219,8 +286,10 @@ def _splash_local(
     interpret: bool,
     scale: float | None = None,
     window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Splash on one device's shard: q [b,T,h,D], k/v [b,T,kv,D], segment_ids [b,T] | None."""
+    """Splash on one device's shard: q [b,T,h,D], k/v [b,T,kv,D], segment_ids [b,T] | None,
+    sinks [h] | None (the kernel's own argument: logits, as the scores after the scale)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     _, t, h, d = q.shape
@@ -229,20 +298,31 @@ def _splash_local(
     scale = d**-0.5 if scale is None else scale
     qh = jnp.swapaxes(q if scale == 1.0 else q * jnp.asarray(scale, q.dtype), 1, 2)
     kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    extra = {} if sinks is None else {"sinks": sinks.astype(jnp.float32)}
     if segment_ids is None:
-        out = jax.vmap(lambda a, b, c: kernel(a, b, c))(qh, kh, vh)
+        out = jax.vmap(lambda a, b, c: kernel(a, b, c, **extra))(qh, kh, vh)
     else:
-        out = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=SegmentIds(s, s)))(
+        out = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=SegmentIds(s, s), **extra))(
             qh, kh, vh, segment_ids
         )
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
 
 
-def per_shard(local, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None):
-    """`local(q, k, v, segment_ids)` inside `jax.shard_map` over the current mesh (batch over the
-    batch axes, heads over `tensor`, the specs the rest of the model uses), or directly when no
-    mesh is current. Fused kernels are custom calls the partitioner cannot split on its own."""
+def per_shard(
+    local,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    sinks: jax.Array | None = None,
+):
+    """`local(q, k, v, segment_ids)` (with sinks [H]: `local(q, k, v, segment_ids, sinks=…)`)
+    inside `jax.shard_map` over the current mesh (batch over the batch axes, heads and their
+    sinks over `tensor`, the specs the rest of the model uses), or directly when no mesh is
+    current. Fused kernels are custom calls the partitioner cannot split on its own."""
     mesh = sharding.current_mesh()
+    if sinks is not None:
+        return _per_shard_with_sinks(local, q, k, v, segment_ids, sinks, mesh)
     if mesh is None:
         return local(q, k, v, segment_ids)
     q_spec = sharding.mesh_spec(("batch", None, "heads", None), q.shape, mesh)
@@ -273,6 +353,36 @@ def per_shard(local, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     return fn(q, k, v, segment_ids)
 
 
+def _per_shard_with_sinks(
+    local,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    sinks: jax.Array,
+    mesh: jax.sharding.Mesh | None,
+) -> jax.Array:
+    """`per_shard` with the sinks [H] as one more input, split over `tensor` like the heads."""
+    if mesh is None:
+        return local(q, k, v, segment_ids, sinks=sinks)
+    q_spec = sharding.mesh_spec(("batch", None, "heads", None), q.shape, mesh)
+    kv_spec = sharding.mesh_spec(("batch", None, "kv_heads", None), k.shape, mesh)
+    if q_spec[2] is not None and kv_spec[2] != q_spec[2]:
+        rep = q.shape[2] // k.shape[2]  # as in per_shard: each query head its kv head's copy
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        kv_spec = q_spec
+    args, specs = [q, k, v, sinks], [q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[2])]
+    if segment_ids is not None:
+        args.append(segment_ids)
+        specs.append(PartitionSpec(q_spec[0], None))
+
+    def body(a: jax.Array, b: jax.Array, c: jax.Array, s: jax.Array, *seg: jax.Array) -> jax.Array:
+        return local(a, b, c, seg[0] if seg else None, sinks=s)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)
+    return fn(*args)
+
+
 def splash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -282,10 +392,11 @@ def splash_attention(
     interpret: bool = False,
     scale: float | None = None,
     window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Splash attention; inside `jax.shard_map` over the current mesh when there is one."""
     local = functools.partial(_splash_local, interpret=interpret, scale=scale, window=window)
-    return per_shard(local, q, k, v, segment_ids)
+    return per_shard(local, q, k, v, segment_ids, sinks)
 
 
 # --- cudnn (GPU) ------------------------------------------------------------------------------
@@ -335,12 +446,14 @@ def attend(
     impl: str = "xla",
     scale: float | None = None,
     window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Causal (and segment-limited, and window-limited) attention with the chosen kernel."""
+    """Causal (and segment-limited, and window-limited) attention with the chosen kernel;
+    `sinks` [H]: per-head attention sinks (the module docstring)."""
     platform = target_platform()
     kernel = resolve(impl, platform)
     if kernel != "xla":
-        reason = unsupported(kernel, q, k, segment_ids, platform)
+        reason = unsupported(kernel, q, k, segment_ids, platform, sinks is not None)
         if reason is not None:
             if impl == "auto":
                 kernel = "xla"
@@ -351,9 +464,16 @@ def attend(
                 )
     if kernel == "splash":
         return splash_attention(
-            q, k, v, segment_ids, interpret=platform != "tpu", scale=scale, window=window
+            q,
+            k,
+            v,
+            segment_ids,
+            interpret=platform != "tpu",
+            scale=scale,
+            window=window,
+            sinks=sinks,
         )
     if kernel == "cudnn":
         local = functools.partial(cudnn_attention, scale=scale, window=window)
         return per_shard(local, q, k, v, segment_ids)
-    return xla_attention(q, k, v, segment_ids, scale, window)
+    return xla_attention(q, k, v, segment_ids, scale, window, sinks)

@@ -69,12 +69,13 @@ def build_model(
     if materialise and cfg.init_from:
         # `model.init_from = "hf:PATH"`: the HF weights are the initial parameters.
         from jobspec.hf_config import hf_dir
-        from runtime.hf.convert import place_params
+        from runtime.hf.convert import place_params, place_state
         from runtime.model.hf_weights import load_hf_params
 
         flat = load_hf_params(hf_dir(cfg.init_from), cfg)
         params = place_params(flat, abs_params, p_sh)
-        others = jax.jit(lambda: init()[1], out_shardings=o_sh)()
+        # Non-Param state the name map gives an HF tensor (deepseek_v3's router bias) too.
+        others = place_state(flat, jax.jit(lambda: init()[1], out_shardings=o_sh)(), o_sh)
     elif materialise:
         params, others = jax.jit(init, out_shardings=(p_sh, o_sh))()
     else:

@@ -1,4 +1,4 @@
-"""The forward plumbing every family's decoder shares (the interface is `registry.Decoder`).
+"""The forward plumbing every family's decoder shares (the interface is `spec.FamilyModel`).
 
 A family's decoder subclasses `DecoderBase` and builds `embed_tokens` (an `embedding` table
 [vocab, hidden]), `layers`, `norm` and, untied, `lm_head`; it implements `forward_hidden`,

@@ -1,4 +1,4 @@
-"""Autoregressive generation from a `Decoder` with its KV cache.
+"""Autoregressive generation from a `FamilyModel` with its KV cache.
 
 One jitted program per (prompt length, max_new_tokens, top_k, greedy) does the whole job: prefill
 the prompt in one `decode` call, then a `lax.while_loop` of one-token steps that stops at
@@ -19,7 +19,7 @@ from flax import nnx
 from jax import lax
 
 from jobspec.errors import ConfigError
-from runtime.model.registry import Decoder
+from runtime.model.spec import FamilyModel
 
 
 def _pick(
@@ -81,7 +81,7 @@ def _generate_jit(
 
 
 def _validate(
-    model: Decoder,
+    model: FamilyModel,
     prompt: np.ndarray,
     max_new_tokens: int,
     temperature: float,
@@ -124,7 +124,7 @@ def _validate(
 
 
 def generate(
-    model: Decoder,
+    model: FamilyModel,
     prompt_ids: list[int] | np.ndarray,
     *,
     max_new_tokens: int,

@@ -19,13 +19,17 @@ from runtime.hf.convert import (
     tensors_from_params,
 )
 from runtime.hf.files import DEFAULT_MAX_SHARD_BYTES, write_safetensors
+from runtime.hf.mxfp4 import dequantize_checkpoint
 from runtime.model.registry import spec_for
 
 
 def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[Path_, np.ndarray]:
     """Our parameters (flat: NNX path -> array) from an HF state dict; a tensor the family's map
-    neither maps nor ignores is a ConfigError."""
+    neither maps nor ignores is a ConfigError. MXFP4 tensors (`X_blocks` + `X_scales`, gpt-oss's
+    experts on the Hub) are dequantized to the config's param_dtype first (runtime/hf/mxfp4.py),
+    then the family's `hf_read` gives the names its map uses (e.g. fused expert stacks split)."""
     spec = spec_for(cfg)
+    tensors = spec.hf_read(dequantize_checkpoint(tensors, cfg.param_dtype))
     table = spec.hf_names(cfg)
     known = {e.name for e in table} | spec.hf_ignored(cfg)
     if cfg.tie_word_embeddings:
@@ -39,13 +43,15 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[Pat
 
 
 def hf_from_params(cfg: ModelConfig, flat: dict[Path_, Any]) -> dict[str, np.ndarray]:
-    """An HF state dict from our flat parameters (NNX path -> array-like)."""
-    return tensors_from_params(spec_for(cfg).hf_names(cfg), flat)
+    """An HF state dict from our flat parameters (NNX path -> array-like), in the layout the
+    family writes (`ModelSpec.hf_write`)."""
+    spec = spec_for(cfg)
+    return spec.hf_write(tensors_from_params(spec.hf_names(cfg), flat))
 
 
 def load_hf_params(path: str | Path, cfg: ModelConfig) -> dict[Path_, np.ndarray]:
-    """Flat parameters for `cfg` from the HF dir at `path` (a multimodal Gemma 4 checkpoint gives
-    its text model)."""
+    """Flat parameters for `cfg` from the HF dir at `path` (a multimodal checkpoint, Gemma 4's or
+    Qwen3.5's, gives its text model)."""
     return params_from_hf(cfg, read_hf_tensors(path))
 
 
@@ -60,9 +66,13 @@ def write_hf(
     params: Any,
     out_dir: str | Path,
     *,
+    others: tuple = (),
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[str]:
-    """config.json + safetensors for `params` (nnx.State or pure nested dict); the file names."""
-    tensors = hf_from_params(cfg, {k: _host(v) for k, v in flat_params(params).items()})
+    """config.json + safetensors for `params` (nnx.State or pure nested dict); the file names.
+    `others`: the model's non-Param states, for a name map that gives some an HF tensor
+    (deepseek_v3's router bias)."""
+    flat = {k: v for state in (*others, params) for k, v in flat_params(state).items()}
+    tensors = hf_from_params(cfg, {k: _host(v) for k, v in flat.items()})
     hf_cfg = hf_config_from_model(cfg.model_dump())
     return write_safetensors(tensors, hf_cfg, out_dir, max_shard_bytes=max_shard_bytes)

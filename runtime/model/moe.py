@@ -18,7 +18,7 @@ With a zero router bias the choice is top-k of probs, exactly HF. Two dispatches
   grouped matmuls, returned and combined); dropless, or with a capacity factor that drops and
   counts the overflow. What large MoE models need.
 
-Parameter paths inside `layers[i]` of `runtime.model.qwen3.decoder.Decoder`:
+Parameter paths inside `layers[i]` of `runtime.model.qwen3.decoder.Qwen3Decoder`:
 
     mlp.gate.kernel            [hidden, num_experts]            ("embed", "expert")
     mlp.experts.gate_proj      [E, hidden, moe_intermediate]    ("expert", "embed", "mlp")
@@ -169,20 +169,41 @@ def run_experts(
     dense: Callable[[jax.Array, jax.Array], jax.Array],
     kernels: Callable[[], tuple[jax.Array, jax.Array, jax.Array]],
     activation: Callable[[jax.Array], jax.Array],
+    *,
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    biases: Callable[[], moe_dispatch.ExpertBiases] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """x [B, T, D], top [B, T, k], onehot [B, T, k, E] -> (y [B, T, D], dropped assignments).
 
     Dense: `dense(x, combine [B, T, E])`. Sparse: `kernels()` gives (gate, up [E, D, F],
-    down [E, F, D]) for runtime/model/moe_dispatch.py. The router weights are cast to x's dtype
-    before weighting the experts, as HF does."""
+    down [E, F, D]) for runtime/model/moe_dispatch.py; `glu(gate, up)` replaces
+    activation(gate) * up and `biases()` gives per-expert biases, when set (gpt-oss's experts).
+    The router weights are cast to x's dtype before weighting the experts, as HF does."""
     if not dispatch.sparse:
         combine = jnp.einsum("...k,...ke->...e", top, onehot)
         return dense(x, constrain(combine.astype(x.dtype), ACT_EXPERT)), jnp.zeros((), jnp.int32)
     index = jnp.argmax(onehot, axis=-1).astype(jnp.int32)
     gate, up, down = kernels()
     return moe_dispatch.sparse_experts(
-        x, index, top.astype(x.dtype), gate, up, down, activation=activation, dispatch=dispatch
+        x,
+        index,
+        top.astype(x.dtype),
+        gate,
+        up,
+        down,
+        activation=activation,
+        dispatch=dispatch,
+        glu=glu,
+        biases=None if biases is None else biases(),
     )
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float, alpha: float) -> jax.Array:
+    """gpt-oss's expert activation (HF `GptOssExperts._apply_gate`): the gate clamped above at
+    `limit`, up clamped to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
 def _top_k_onehot(scores: jax.Array, k: int) -> jax.Array:

@@ -12,10 +12,12 @@ device holding E / mesh.expert experts, their hidden width over `tensor`):
    `all_to_all` whose slots are sized so that no row is ever dropped. Both place the rows in the
    same layout, so everything after is one code path.
 3. The received rows are grouped by local expert and go through the SwiGLU (or GELU) MLP as
-   grouped matmuls: megablox (the Pallas TPU kernel, with tiles fitted to the shapes) on TPU,
-   `lax.ragged_dot` elsewhere, or, on GPU with a capacity factor, batched matmuls over each
-   expert's fixed slots (XLA:GPU expands `ragged_dot` densely over every group). Partial sums over the `tensor`-sharded hidden width
-   are summed across `tensor`.
+   grouped matmuls (optionally with per-expert biases on gate, up and the output, and another
+   gated activation of (gate, up), e.g. gpt-oss's clamped SwiGLU: `ExpertBiases`, `glu`):
+   megablox (the Pallas TPU kernel, with tiles fitted to the shapes) on TPU, `lax.ragged_dot`
+   elsewhere, or, on GPU with a capacity factor, batched matmuls over each expert's fixed slots
+   (XLA:GPU expands `ragged_dot` densely over every group). Partial sums over the
+   `tensor`-sharded hidden width are summed across `tensor`.
 4. The results travel back the same way (the exchange's transpose), return to their assignments'
    positions and are summed over each token's k experts with the router weights.
 
@@ -38,7 +40,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +114,15 @@ def describe(model: Any, mesh: Mesh) -> dict[str, Any] | None:
     return for_mesh(model.moe_dispatch, model.moe_capacity_factor, mesh).as_dict()
 
 
+class ExpertBiases(NamedTuple):
+    """Per-expert biases of the expert MLP (gpt-oss's): y = (glu(x @ gate + b_gate,
+    x @ up + b_up)) @ down + b_down for the expert a row went to."""
+
+    gate: jax.Array  # [E, F]
+    up: jax.Array  # [E, F]
+    down: jax.Array  # [E, D]
+
+
 def capacity(capacity_factor: float | None, tokens: int, k: int, experts: int) -> int | None:
     """Assignments one expert takes from one device's `tokens`, or None (dropless)."""
     if capacity_factor is None:
@@ -129,14 +140,18 @@ def sparse_experts(
     *,
     activation: Callable[[jax.Array], jax.Array],
     dispatch: Dispatch,
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    biases: ExpertBiases | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Run each token through its top-k experts.
 
     x [B, T, D]; expert_index [B, T, k] int; weights [B, T, k] (the combine weights, x's dtype);
     gate, up [E, D, F]; down [E, F, D] (global arrays; sharded as the mesh says).
     -> (y [B, T, D] = sum_k weights * down(activation(x @ gate) * (x @ up)), the number of
-    assignments the capacity factor dropped (int32 scalar, 0 when dropless)).
+    assignments the capacity factor dropped (int32 scalar, 0 when dropless)). `glu(gate, up)`
+    replaces `activation(gate) * up` when given; `biases` adds each expert's biases.
     """
+    options = {name: v for name, v in (("glu", glu), ("biases", biases)) if v is not None}
     b, t, d = x.shape
     k = expert_index.shape[-1]
     n = b * t
@@ -148,8 +163,9 @@ def sparse_experts(
     if mesh is None or mesh.size == 1:
         cap = capacity(dispatch.capacity_factor, n, k, num_experts)
         y, dropped = _per_device(
-            tokens, index, w, gate, up, down, activation, cap, None, None, kernel=dispatch.matmul
-        )
+            tokens, index, w, gate, up, down, activation, cap, None, None,
+            kernel=dispatch.matmul, **options,
+        )  # fmt: skip
         return y.reshape(b, t, d), dropped[0]
 
     batch_axes = tuple(a for a in LOGICAL_RULES["batch"] if mesh.shape[a] > 1)
@@ -173,6 +189,17 @@ def sparse_experts(
     gate = jax.lax.with_sharding_constraint(gate, NamedSharding(mesh, w_in))
     up = jax.lax.with_sharding_constraint(up, NamedSharding(mesh, w_in))
     down = jax.lax.with_sharding_constraint(down, NamedSharding(mesh, w_out))
+    # Biases split like their kernels' outputs: gate/up's over the hidden width, down's whole.
+    b_specs = ExpertBiases(
+        *(PartitionSpec(expert_axis, a) for a in (tensor_axis, tensor_axis, None))
+    )
+    if biases is not None:
+        biases = ExpertBiases(
+            *(
+                jax.lax.with_sharding_constraint(b, NamedSharding(mesh, spec))
+                for b, spec in zip(biases, b_specs, strict=True)
+            )
+        )
     rows = PartitionSpec(batch_axes or None, None)
     local = (n + pad) // shards
     cap = capacity(dispatch.capacity_factor, local, k, num_experts)
@@ -185,16 +212,26 @@ def sparse_experts(
         tensor_axis=tensor_axis,
         ragged=ragged,
         kernel=dispatch.matmul,
+        **({"glu": glu} if glu is not None else {}),
     )
+    args, specs = [tokens, index, w, gate, up, down], [rows, rows, rows, w_in, w_in, w_out]
+    if biases is not None:  # one more input, sharded like its kernels (b_specs)
+        args.append(biases)
+        specs.append(b_specs)
+        with_biases = body
+
+        def body(*a: Any) -> tuple[jax.Array, jax.Array]:
+            return with_biases(*a[:6], biases=a[6])
+
     y, dropped = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(rows, rows, rows, w_in, w_in, w_out),
+        in_specs=tuple(specs),
         out_specs=(rows, PartitionSpec(batch_axes or None)),
         # Pallas kernels (megablox) carry no varying-axes types; the gradients were checked
         # against a dense reference on every layout (tests/test_expert_parallel.py).
         check_vma=False,
-    )(tokens, index, w, gate, up, down)
+    )(*args)
     return y[:n].reshape(b, t, d), jnp.sum(dropped)
 
 
@@ -211,8 +248,11 @@ def _per_device(
     tensor_axis: str | None,
     ragged: bool = False,
     kernel: str = "ragged_dot",
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    biases: ExpertBiases | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """One device's share: tokens [n, D], index/w [n, k], its experts' kernels [E_l, ...]."""
+    """One device's share: tokens [n, D], index/w [n, k], its experts' kernels [E_l, ...] (and
+    biases [E_l, ...]); `glu(gate, up)` defaults to activation(gate) * up."""
     n, d = tokens.shape
     k = index.shape[1]
     m = n * k
@@ -265,14 +305,21 @@ def _per_device(
         # The dropped rows sit past the groups, where megablox writes nothing, not even in the
         # backward: masked here, that garbage never reaches the tokens' gradient.
         received = jnp.where(valid[:, None], received, jnp.zeros((), received.dtype))
+    glu = glu or functools.partial(_gated, activation)
     if kernel == "einsum_slots":
         assert cap is not None, "the slotted matmul needs a capacity factor"
-        out = _slotted_mlp(received, group_sizes, gate, up, down, activation, ep * cap)
+        out = _slotted_mlp(received, group_sizes, gate, up, down, glu, ep * cap, biases)
     else:
         gmm = functools.partial(_grouped_matmul, group_sizes=group_sizes, kernel=kernel)
-        out = gmm(activation(gmm(received, gate)) * gmm(received, up), down)
+        g, u = gmm(received, gate), gmm(received, up)
+        if biases is not None:
+            rows_of = _group_onehot(group_sizes, received.shape[0], received.dtype)
+            g, u = g + rows_of @ biases.gate, u + rows_of @ biases.up
+        out = gmm(glu(g, u), down)
     if tensor_axis is not None:
         out = jax.lax.psum(out, tensor_axis)
+    if biases is not None:  # after the psum: added once, not once per `tensor` shard
+        out = out + _group_onehot(group_sizes, out.shape[0], out.dtype) @ biases.down
     out = jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
     if ep > 1:
@@ -333,27 +380,45 @@ def _grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, kernel: 
     return out[:r] if pad else out
 
 
+def _gated(
+    activation: Callable[[jax.Array], jax.Array], gate: jax.Array, up: jax.Array
+) -> jax.Array:
+    """The plain gated MLP hidden: activation(gate) * up."""
+    return activation(gate) * up
+
+
+def _group_onehot(group_sizes: jax.Array, rows: int, dtype: Any) -> jax.Array:
+    """[rows, G] in `dtype`: row r's group (the rows come grouped, group g the next
+    group_sizes[g] of them) as a one-hot row; rows past the groups are all zero. A bias gathered
+    by this product has a matmul, not a scatter, for its gradient."""
+    group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+    return (group[:, None] == jnp.arange(group_sizes.shape[0])[None, :]).astype(dtype)
+
+
 def _slotted_mlp(
     rows: jax.Array,
     group_sizes: jax.Array,
     gate: jax.Array,
     up: jax.Array,
     down: jax.Array,
-    activation: Callable[[jax.Array], jax.Array],
+    glu: Callable[[jax.Array, jax.Array], jax.Array],
     slots: int,
+    biases: ExpertBiases | None = None,
 ) -> jax.Array:
     """The expert MLP as batched matmuls over [E_l, slots, D]: each local expert's rows (at most
     `slots`, which the capacity guarantees) copied into its own slots, and back. The work is
     E_l x slots rows, the capacity, where XLA:GPU's `ragged_dot` computes every group over
-    every row."""
+    every row. With `biases`, their gate and up parts (the caller adds the output's)."""
     local_experts = gate.shape[0]
     starts = jnp.cumsum(group_sizes) - group_sizes
     j = jnp.arange(slots)
     src = starts[:, None] + j[None, :]  # [E_l, slots]
     filled = j[None, :] < group_sizes[:, None]
     x = jnp.where(filled[..., None], rows[jnp.clip(src, 0, rows.shape[0] - 1)], 0)
-    h = activation(jnp.einsum("esd,edf->esf", x, gate)) * jnp.einsum("esd,edf->esf", x, up)
-    y = jnp.einsum("esf,efd->esd", h, down)
+    g, u = jnp.einsum("esd,edf->esf", x, gate), jnp.einsum("esd,edf->esf", x, up)
+    if biases is not None:
+        g, u = g + biases.gate[:, None, :], u + biases.up[:, None, :]
+    y = jnp.einsum("esf,efd->esd", glu(g, u), down)
     r = jnp.arange(rows.shape[0])
     expert = jnp.minimum(
         jnp.searchsorted(jnp.cumsum(group_sizes), r, side="right"), local_experts - 1

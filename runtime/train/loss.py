@@ -101,7 +101,7 @@ _head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
 
 def head_logits(h: jax.Array, kernel: jax.Array, dtype: str = "float32") -> jax.Array:
     """h [B, T, D] @ kernel [D, V] -> logits [B, T, V], accumulated in float32 and stored in
-    `dtype` (float32: the same product as `Decoder.logits`; bfloat16: half the memory, as
+    `dtype` (float32: the same product as `FamilyModel.logits`; bfloat16: half the memory, as
     MaxText keeps them), with the vocab axis pinned to the tensor axis. Whatever `dtype`, the
     losses read them in float32."""
     return constrain_logits(_head_matmul(h, kernel, dtype))

@@ -251,8 +251,7 @@ class Attention(nnx.Module):
         q_time = index + jnp.arange(t)
         cd = self.compute_dtype
         if self.window is None:
-            ck = lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
-            cv = lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+            ck, cv = attention.write_cache((ck, cv), k, v, index)
             mask = (jnp.arange(slots)[None, :] <= q_time[:, None])[None]
             return ck.astype(cd), cv.astype(cd), mask, (ck, cv)
         last = index - 1
@@ -442,7 +441,7 @@ def _block_forward(block: Block, x, cos, sin, seg, pli, shared):
     return out, published[:2], load
 
 
-class Decoder(DecoderBase):
+class Gemma4TextDecoder(DecoderBase):
     """Gemma 4 causal LM: token ids in, float32 logits out, soft-capped when configured."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False):
@@ -546,7 +545,7 @@ class Decoder(DecoderBase):
         self, inputs: jax.Array, positions: jax.Array, cache: Gemma4Cache
     ) -> tuple[jax.Array, Gemma4Cache]:
         """T new tokens against the cache (prefill or one step), like
-        qwen3.decoder.Decoder.decode; the caller keeps index + T <= max_len."""
+        qwen3.decoder.Qwen3Decoder.decode; the caller keeps index + T <= max_len."""
         x, pli = self._embed(inputs)
         ropes = self._ropes(positions)
         published: dict[int, tuple] = {}
@@ -569,5 +568,5 @@ class Decoder(DecoderBase):
         )
 
 
-def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Decoder:
-    return Decoder(cfg, rngs=rngs, eager_sharding=eager_sharding)
+def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Gemma4TextDecoder:
+    return Gemma4TextDecoder(cfg, rngs=rngs, eager_sharding=eager_sharding)

@@ -1,14 +1,14 @@
 """The "qwen2" family's decoder: the Qwen3 decoder with Qwen2's attention, computing what HF
 `Qwen2ForCausalLM` does: q/k/v projections with a bias (`{q,k,v}_proj.bias`, zero at init as
 HF's), o_proj without, and no q/k norm; everything else is
-`runtime.model.qwen3.decoder.Decoder` (scanned or unrolled layers, SwiGLU MLPs)."""
+`runtime.model.qwen3.decoder.Qwen3Decoder` (scanned or unrolled layers, SwiGLU MLPs)."""
 
 from __future__ import annotations
 
 from flax import nnx
 
 from jobspec.families.model_config import ModelConfig
-from runtime.model.qwen3.decoder import Attention, Decoder
+from runtime.model.qwen3.decoder import Attention, Qwen3Decoder
 
 
 class Qwen2Attention(Attention):
@@ -18,6 +18,8 @@ class Qwen2Attention(Attention):
     qk_norm = False
 
 
-def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Decoder:
+def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Qwen3Decoder:
     """The Qwen3 decoder with `Qwen2Attention` in every layer."""
-    return Decoder(cfg, rngs=rngs, eager_sharding=eager_sharding, attention_factory=Qwen2Attention)
+    return Qwen3Decoder(
+        cfg, rngs=rngs, eager_sharding=eager_sharding, attention_factory=Qwen2Attention
+    )

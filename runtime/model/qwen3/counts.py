@@ -25,7 +25,7 @@ def attention_param_count(
 def decoder_param_count(
     cfg: ModelConfig, mlp: int, active_mlp: int | None = None, attention: int | None = None
 ) -> dict[str, int]:
-    """Parameter counts of a Decoder whose per-layer MLP holds `mlp` parameters (and attention
+    """Parameter counts of a Qwen3Decoder whose per-layer MLP holds `mlp` parameters (and attention
     `attention`, default Qwen3's).
 
     embedding: the input table (vocab x hidden); lm_head: the separate head (0 when tied);

@@ -31,10 +31,10 @@ block boundary ([batch, length, embed]), on q/k/v and the attention output (per 
 hidden, on the embedding output, the final hidden states and the logits, so GSPMD keeps 1/devices
 of the batch on every chip and gathers weights (FSDP) instead of activations.
 
-The layer MLP and attention are per-family choices (`Decoder(..., mlp_factory=...,
+The layer MLP and attention are per-family choices (`Qwen3Decoder(..., mlp_factory=...,
 attention_factory=...)`): dense SwiGLU `MLP` and q/k-normed `Attention` here;
 `runtime/model/qwen3_moe/` passes `runtime.model.moe.SparseMoE` (paths documented there), whose
-per-layer expert loads `Decoder.forward_with_loads` also returns, and `runtime/model/qwen2/` its
+per-layer expert loads `Qwen3Decoder.forward_with_loads` also returns, and `runtime/model/qwen2/` its
 biased attention. Model code never tests the family string; `runtime/model/registry.py` maps
 family names to builders. The logits, the expert-load forward and the remat'd layer loop are
 `runtime/model/decoder.py`'s.
@@ -153,11 +153,8 @@ class Attention(nnx.Module):
             out = attention.attend(q, k, v, segment_ids, impl=self.impl)
             return self._out(out), None
         assert index is not None and mask is not None
-        ck = lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0))
-        cv = lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
-        k, v = ck.astype(self.compute_dtype), cv.astype(self.compute_dtype)
-        out = attention.masked_attention(q, k, v, mask)
-        return self._out(out), (ck, cv)
+        out, new_kv = attention.cached_attention(q, k, v, kv, index, mask, self.compute_dtype)
+        return self._out(out), new_kv
 
     def _out(self, out: jax.Array) -> jax.Array:
         """The attention output [B, T, H, hd] (pinned per head, named for remat) -> o_proj."""
@@ -259,7 +256,7 @@ def _scan_blocks(
     return lax.scan(body, x, state)
 
 
-class Decoder(DecoderBase):
+class Qwen3Decoder(DecoderBase):
     """Qwen3 causal LM: token ids in, float32 logits out.
 
     `eager_sharding=False` (default) only records logical names, so the model builds without a
@@ -375,6 +372,6 @@ class Decoder(DecoderBase):
         return self.logits(self.final_norm(x)), KVCache(tuple(new_k), tuple(new_v), cache.index + t)
 
 
-def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Decoder:
+def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Qwen3Decoder:
     """The dense Qwen3 decoder (SwiGLU MLP in every layer)."""
-    return Decoder(cfg, rngs=rngs, eager_sharding=eager_sharding)
+    return Qwen3Decoder(cfg, rngs=rngs, eager_sharding=eager_sharding)

@@ -168,10 +168,9 @@ class GatedDeltaNet(nnx.Module):
         self.dk, self.dv = q.linear_key_head_dim, q.linear_value_head_dim
         self.r = self.hv // self.hk
         self.chunk_size = q.chunk_size
-        hk, hv, dk, dv, r = self.hk, self.hv, self.dk, self.dv, self.r
+        hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         kw = {"rngs": rngs, "eager_sharding": eager_sharding}
-        self.in_proj_qkvz = Dense(d, hk * (2 * dk + 2 * r * dv), ("embed", "heads"), cfg, **kw)
-        self.in_proj_ba = Dense(d, hk * 2 * r, ("embed", "heads"), cfg, **kw)
+        self.init_projections(cfg, **kw)
         self.conv1d = CausalConv(cfg, 2 * hk * dk + hv * dv, **kw)
         pd = dtype_of(cfg.param_dtype)
         # HF's init: dt_bias 1, A = uniform(0.01, 16) (kept away from 0 so log A is finite).
@@ -184,6 +183,26 @@ class GatedDeltaNet(nnx.Module):
         )
         self.norm = GatedNorm(dv, cfg, eager_sharding=eager_sharding)
         self.out_proj = Dense(hv * dv, d, ("heads", "embed"), cfg, **kw)
+
+    def init_projections(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool) -> None:
+        """The input projections: HF's fused per-key-head-group `in_proj_qkvz` and `in_proj_ba`
+        (a subclass with another layout overrides this and `project`)."""
+        d, hk, dk, dv, r = cfg.hidden_size, self.hk, self.dk, self.dv, self.r
+        kw = {"rngs": rngs, "eager_sharding": eager_sharding}
+        self.in_proj_qkvz = Dense(d, hk * (2 * dk + 2 * r * dv), ("embed", "heads"), cfg, **kw)
+        self.in_proj_ba = Dense(d, hk * 2 * r, ("embed", "heads"), cfg, **kw)
+
+    def project(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        """x [B, T, D] -> (q, k [B, T, Hk, dk], v, z [B, T, Hv, dv], b, a [B, T, Hv]), raw: before
+        the conv and the gates."""
+        b, t, _ = x.shape
+        hk, hv, dk, dv, r = self.hk, self.hv, self.dk, self.dv, self.r
+        qkvz = self.in_proj_qkvz(x).reshape(b, t, hk, 2 * dk + 2 * r * dv)
+        ba = self.in_proj_ba(x).reshape(b, t, hk, 2 * r)
+        v = qkvz[..., 2 * dk : 2 * dk + r * dv].reshape(b, t, hv, dv)
+        z = qkvz[..., 2 * dk + r * dv :].reshape(b, t, hv, dv)
+        beta_in, a = ba[..., :r].reshape(b, t, hv), ba[..., r:].reshape(b, t, hv)
+        return qkvz[..., :dk], qkvz[..., dk : 2 * dk], v, z, beta_in, a
 
     def init_state(self, batch: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
         """(conv state [B, K-1, C] in `dtype`, recurrent state [B, Hv, dk, dv] fp32), zeros."""
@@ -202,14 +221,10 @@ class GatedDeltaNet(nnx.Module):
         """x [B, T, D] -> (output [B, T, D], the new (conv, recurrent) state when `cache` is
         given). Training passes no cache: both states start at zero (and reset per document)."""
         b, t, _ = x.shape
-        hk, hv, dk, dv, r = self.hk, self.hv, self.dk, self.dv, self.r
-        qkvz = self.in_proj_qkvz(x).reshape(b, t, hk, 2 * dk + 2 * r * dv)
-        ba = self.in_proj_ba(x).reshape(b, t, hk, 2 * r)
-        q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
-        v = qkvz[..., 2 * dk : 2 * dk + r * dv].reshape(b, t, hv, dv)
-        z = constrain(qkvz[..., 2 * dk + r * dv :].reshape(b, t, hv, dv), ACT_HEADS)
-        beta = jax.nn.sigmoid(ba[..., :r].reshape(b, t, hv))
-        a = ba[..., r:].reshape(b, t, hv)
+        hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
+        q, k, v, z, beta_in, a = self.project(x)
+        z = constrain(z, ACT_HEADS)
+        beta = jax.nn.sigmoid(beta_in)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         )
@@ -304,11 +319,8 @@ class GatedAttention(nnx.Module):
             out = attention.attend(q, k, v, segment_ids, impl=self.impl)
         else:
             assert index is not None and mask is not None
-            ck = lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0))
-            cv = lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
             cd = self.compute_dtype
-            out = attention.masked_attention(q, ck.astype(cd), cv.astype(cd), mask)
-            new_kv = (ck, cv)
+            out, new_kv = attention.cached_attention(q, k, v, kv, index, mask, cd)
         out = checkpoint_name(constrain(out * jax.nn.sigmoid(gate), ACT_HEADS), "attention_out")
         return constrain(self.o_proj(out.reshape(b, t, h * hd)), ACT_EMBED), new_kv
 
@@ -340,12 +352,15 @@ class SharedExpertMoE(SparseMoE):
 class Block(nnx.Module):
     """One decoder layer: the mixer its kind names, the MoE or dense MLP, two zero-centred norms."""
 
+    #: The DeltaNet mixer's class (a family with another projection layout swaps it).
+    deltanet: type[GatedDeltaNet] = GatedDeltaNet
+
     def __init__(self, cfg: ModelConfig, kind: LayerKind, *, rngs: nnx.Rngs, eager_sharding: bool):
         d = cfg.hidden_size
         kw = {"rngs": rngs, "eager_sharding": eager_sharding}
         self.linear = kind.linear
         if kind.linear:
-            self.linear_attn = GatedDeltaNet(cfg, **kw)
+            self.linear_attn = self.deltanet(cfg, **kw)
         else:
             self.self_attn = GatedAttention(cfg, **kw)
         self.mlp = SharedExpertMoE(cfg, **kw) if kind.moe else MLP(cfg, **kw)
@@ -389,8 +404,11 @@ class Qwen3NextCache(NamedTuple):
     index: jax.Array
 
 
-class Decoder(DecoderBase):
+class Qwen3NextDecoder(DecoderBase):
     """Qwen3-Next causal LM: token ids in, float32 logits out."""
+
+    #: The decoder layer's class (a family with another DeltaNet layout swaps it).
+    block: type[Block] = Block
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False):
         self.cfg = cfg
@@ -398,7 +416,7 @@ class Decoder(DecoderBase):
         self.kinds = tuple(layer_kinds(cfg))
         kw = {"rngs": rngs, "eager_sharding": eager_sharding}
         self.embed_tokens = Embed(cfg, **kw)
-        self.layers = nnx.List([Block(cfg, kind, **kw) for kind in self.kinds])
+        self.layers = nnx.List([self.block(cfg, kind, **kw) for kind in self.kinds])
         self.norm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding, zero_centred=True)
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, **kw)
@@ -446,7 +464,7 @@ class Decoder(DecoderBase):
         self, inputs: jax.Array, positions: jax.Array, cache: Qwen3NextCache
     ) -> tuple[jax.Array, Qwen3NextCache]:
         """T new tokens against the cache (a prefill, or a step with T = 1), like
-        qwen3.decoder.Decoder.decode; the caller keeps index + T <= max_len."""
+        qwen3.decoder.Qwen3Decoder.decode; the caller keeps index + T <= max_len."""
         t = inputs.shape[1]
         x = constrain(self.embed_tokens(inputs), ACT_EMBED)
         cos, sin = self._rope(positions)
@@ -464,5 +482,5 @@ class Decoder(DecoderBase):
         return self.logits(self.final_norm(x)), new
 
 
-def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Decoder:
-    return Decoder(cfg, rngs=rngs, eager_sharding=eager_sharding)
+def build(cfg: ModelConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False) -> Qwen3NextDecoder:
+    return Qwen3NextDecoder(cfg, rngs=rngs, eager_sharding=eager_sharding)

@@ -34,7 +34,7 @@ from runtime.model.flops import flops_per_token, parameter_counts  # noqa: E402
 from runtime.model.hf_weights import hf_from_params, params_from_hf, write_hf  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 
-from runs import ROOT, read_jsonl, run_cli, tiny_config, xla_flags  # noqa: E402
+from runs import ROOT, read_jsonl, tiny_config, xla_flags  # noqa: E402
 
 #: fp32 parity bound (the issue's); observed differences are ~1e-6.
 TOL = 1e-4
@@ -425,7 +425,7 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     transformers' greedy generate; `runtime import hf` then `export hf` is bit for bit."""
     from jobspec.load import parse_run_config
     from runtime.commands.hf import export_checkpoint, import_to_run
-    from runtime.commands.offline import restore_checkpoint
+    from runtime.commands.offline import restore_checkpoint, sample_checkpoint
     from runtime.train.loop import train
 
     src = hf_model(tmp_path / "hf", vocab_size=260)
@@ -466,10 +466,10 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     assert np.max(np.abs(ours - hf_logits(out, BATCH))) < TOL
 
     prompt = [5, 17, 99, 3, 42, 8]
-    r = run_cli("sample", "checkpoint", str(run_dir), "--prompt-ids", ",".join(map(str, prompt)),
-                "--top-k", "1", "--max-new-tokens", "8", "--json")  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    new_ids = json.loads(r.stdout)["new_ids"]
+    sampled = sample_checkpoint(
+        str(run_dir), "latest", prompt, max_new_tokens=8, temperature=1.0, top_k=1, seed=0
+    )
+    new_ids = sampled["new_ids"]
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(
         out, attn_implementation="eager", dtype=torch.float32
     ).eval()

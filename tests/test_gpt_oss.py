@@ -539,10 +539,11 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     to 4 give bit-identical losses; the export (unquantized) loads in transformers with the
     run's logits, and greedy `runtime sample` equals transformers' greedy generate."""
     from jobspec.load import parse_run_config
-    from runtime.commands.offline import restore_checkpoint
+    from runtime.commands.hf import export_checkpoint
+    from runtime.commands.offline import restore_checkpoint, sample_checkpoint
     from runtime.train.loop import train
 
-    from runs import read_jsonl, run_cli, tiny_config
+    from runs import read_jsonl, tiny_config
 
     src = mxfp4_checkpoint(hf_model(tmp_path / "hf", vocab_size=260), tmp_path / "mxfp4")
     losses = {}
@@ -571,8 +572,8 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
 
     run_dir = tmp_path / "runs" / "whole"
     out = tmp_path / "export"
-    r = run_cli("export", "hf", str(run_dir), "--checkpoint", "latest", "--out", str(out))
-    assert r.returncode == 0, r.stderr
+    # In process (`runtime export hf` and `runtime sample` as subprocesses: test_hf.py's chain).
+    export_checkpoint(str(run_dir), "latest", str(out))
     exported = read_safetensors(out)
     assert "model.layers.0.mlp.experts.gate_up_proj" in exported
     assert not any(n.endswith("_blocks") for n in exported)
@@ -581,10 +582,10 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     assert np.max(np.abs(ours - hf_logits(out, BATCH))) < TOL
 
     prompt = [5, 17, 99, 3, 42, 8]
-    r = run_cli("sample", "checkpoint", str(run_dir), "--prompt-ids", ",".join(map(str, prompt)),
-                "--top-k", "1", "--max-new-tokens", "8", "--json")  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    new_ids = json.loads(r.stdout)["new_ids"]
+    sampled = sample_checkpoint(
+        str(run_dir), "latest", prompt, max_new_tokens=8, temperature=1.0, top_k=1, seed=0
+    )
+    new_ids = sampled["new_ids"]
     hf = transformers.GptOssForCausalLM.from_pretrained(
         out, attn_implementation="eager", dtype=torch.float32
     ).eval()

@@ -38,7 +38,7 @@ from runtime.model.hf_weights import hf_from_params, write_hf  # noqa: E402
 from runtime.model.llama.decoder import inv_freq  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 
-from runs import ROOT, read_jsonl, run_cli, tiny_config, xla_flags  # noqa: E402
+from runs import ROOT, read_jsonl, tiny_config, xla_flags  # noqa: E402
 
 #: fp32 parity bound; observed differences are ~1e-7.
 TOL = 1e-5
@@ -403,7 +403,8 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     a resume to 4 give bit-identical losses; the export loads in transformers with the run's
     logits, and greedy `runtime sample` equals transformers' greedy generate."""
     from jobspec.load import parse_run_config
-    from runtime.commands.offline import restore_checkpoint
+    from runtime.commands.hf import export_checkpoint
+    from runtime.commands.offline import restore_checkpoint, sample_checkpoint
     from runtime.train.loop import train
 
     src = hf_model(tmp_path / "hf", **ALL_ON, vocab_size=260, tie_word_embeddings=True)
@@ -434,8 +435,8 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
 
     run_dir = tmp_path / "runs" / "whole"
     out = tmp_path / "export"
-    r = run_cli("export", "hf", str(run_dir), "--checkpoint", "latest", "--out", str(out))
-    assert r.returncode == 0, r.stderr
+    # In process (`runtime export hf` and `runtime sample` as subprocesses: test_hf.py's chain).
+    export_checkpoint(str(run_dir), "latest", str(out))
     exported, start = read_safetensors(out), read_safetensors(src)
     assert set(exported) == set(start) - {"lm_head.weight"}
     name = "model.layers.1.self_attn.o_proj.bias"
@@ -445,12 +446,12 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     assert np.max(np.abs(ours - hf_logits(out, BATCH))) < TOL
 
     prompt = [5, 17, 99, 3, 42, 8]
-    r = run_cli("sample", "checkpoint", str(run_dir), "--prompt-ids", ",".join(map(str, prompt)),
-                "--top-k", "1", "--max-new-tokens", "8", "--json")  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    sampled = sample_checkpoint(
+        str(run_dir), "latest", prompt, max_new_tokens=8, temperature=1.0, top_k=1, seed=0
+    )
     with torch.no_grad():
         gen = hf_loaded(out, "llama").generate(
             torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
             pad_token_id=0,
         )  # fmt: skip
-    assert json.loads(r.stdout)["new_ids"] == gen[0, len(prompt) :].tolist()
+    assert sampled["new_ids"] == gen[0, len(prompt) :].tolist()

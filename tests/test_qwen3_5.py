@@ -40,7 +40,7 @@ from runtime.model.flops import parameter_counts  # noqa: E402
 from runtime.model.hf_weights import hf_from_params, write_hf  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 
-from runs import ROOT, read_jsonl, run_cli, tiny_config, xla_flags  # noqa: E402
+from runs import ROOT, read_jsonl, tiny_config, xla_flags  # noqa: E402
 
 #: fp32 parity bound; observed differences are ~2e-6.
 TOL = 1e-5
@@ -493,7 +493,8 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     layout, which transformers loads as Qwen3_5MoeForCausalLM with the run's logits, and greedy
     `runtime sample` equals transformers' greedy generate on it."""
     from jobspec.load import parse_run_config
-    from runtime.commands.offline import restore_checkpoint
+    from runtime.commands.hf import export_checkpoint
+    from runtime.commands.offline import restore_checkpoint, sample_checkpoint
     from runtime.train.loop import train
 
     src = multimodal_model(tmp_path / "hf", moe=True, fused=True, vocab_size=260)
@@ -526,8 +527,8 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
 
     run_dir = tmp_path / "runs" / "whole"
     out = tmp_path / "export"
-    r = run_cli("export", "hf", str(run_dir), "--checkpoint", "latest", "--out", str(out))
-    assert r.returncode == 0, r.stderr
+    # In process (`runtime export hf` and `runtime sample` as subprocesses: test_hf.py's chain).
+    export_checkpoint(str(run_dir), "latest", str(out))
     exported, start = read_safetensors(out), language_model(src)
     assert set(exported) == set(start) and "model.layers.0.mlp.experts.gate_up_proj" in start
     for name in ("model.layers.0.linear_attn.A_log", "model.layers.1.mlp.experts.gate_up_proj"):
@@ -537,13 +538,13 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     assert np.max(np.abs(ours - hf_logits(out, BATCH, transformers.Qwen3_5MoeForCausalLM))) < TOL
 
     prompt = [5, 17, 99, 3, 42, 8]
-    r = run_cli("sample", "checkpoint", str(run_dir), "--prompt-ids", ",".join(map(str, prompt)),
-                "--top-k", "1", "--max-new-tokens", "8", "--json")  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    sampled = sample_checkpoint(
+        str(run_dir), "latest", prompt, max_new_tokens=8, temperature=1.0, top_k=1, seed=0
+    )
     hf = transformers.Qwen3_5MoeForCausalLM.from_pretrained(
         out, attn_implementation="eager", dtype=torch.float32
     ).eval()
     with torch.no_grad():
         gen = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                           eos_token_id=None, pad_token_id=0)  # fmt: skip
-    assert json.loads(r.stdout)["new_ids"] == gen[0, len(prompt) :].tolist()
+    assert sampled["new_ids"] == gen[0, len(prompt) :].tolist()

@@ -92,6 +92,34 @@ def pytest_runtest_call(item: pytest.Item):
             os.environ.update(SESSION_EXPORTS)
 
 
+#: `JAXJOB_TEST_CPU_LOG=FILE`: each test's CPU seconds (this worker's and the subprocesses it
+#: waited for; setup, call and teardown) appended to FILE as JSON lines, to find where the suite's
+#: CPU goes (the README's test command must finish in 15 minutes on 2 cores). Off by default.
+_CPU_LOG = os.environ.get("JAXJOB_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    if not _CPU_LOG:
+        return (yield)
+    import json
+    import resource
+
+    def cpu() -> float:
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    t0, c0 = time.perf_counter(), cpu()
+    try:
+        return (yield)
+    finally:
+        row = {"test": item.nodeid, "cpu_s": round(cpu() - c0, 2),
+               "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+        with open(_CPU_LOG, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     if _XLA_CACHE is not None:
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)

@@ -260,16 +260,15 @@ def test_cli_inspect_config_and_preflight(tmp_path, prepared):
     assert ins.returncode == 0, ins.stderr
     rep = json.loads(ins.stdout)
     assert rep["status"] == "completed" and rep["steps"] == 4 and rep["latest_checkpoint"] == 4
-    text = run_cli("inspect", str(tmp_path / "cli"))
-    assert "completed" in text.stdout
+    # The plain-text inspect, eval and sample: tests/test_human_output.py.
     ev = run_cli("eval", "checkpoint", str(tmp_path / "cli"), "--checkpoint", "best", "--json")
     assert ev.returncode == 0, ev.stderr
     assert json.loads(ev.stdout)["step"] == 4
     args = ["sample", "checkpoint", str(tmp_path / "cli"), "--checkpoint", "latest", "--prompt-ids", "72,101",
             "--max-new-tokens", "5", "--top-k", "1", "--json"]  # fmt: skip
-    a, b = run_cli(*args), run_cli(*args)
+    a = run_cli(*args)  # reproducible from its seed: tests/test_sample.py
     assert a.returncode == 0, a.stderr
-    assert json.loads(a.stdout)["new_ids"] == json.loads(b.stdout)["new_ids"]
+    assert len(json.loads(a.stdout)["new_ids"]) == 5
     # A mistyped --prompt-ids is refused before JAX loads (here a jax that cannot be imported).
     stub = tmp_path / "no-jax" / "jax"
     stub.mkdir(parents=True)

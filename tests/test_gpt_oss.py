@@ -23,21 +23,19 @@ transformers = pytest.importorskip("transformers", reason="the HF parity tests n
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from hf_family import forward, imported, logits_of, resume_is_exact  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.families.model_config import ModelConfig  # noqa: E402
 from jobspec.hf_config import hf_config_from_model, model_fields_from_hf  # noqa: E402
 from jobspec.load import read_toml  # noqa: E402
-from jobspec.run_config import MeshConfig  # noqa: E402
 from runtime.hf.convert import flat_params, model_config_from_hf  # noqa: E402
 from runtime.hf.files import read_safetensors  # noqa: E402
 from runtime.hf.mxfp4 import E2M1, dequantize  # noqa: E402
 from runtime.model import attention  # noqa: E402
-from runtime.model.build import build_model  # noqa: E402
 from runtime.model.flops import flops_per_token, parameter_counts  # noqa: E402
 from runtime.model.hf_weights import hf_from_params, write_hf  # noqa: E402
-from runtime.model.sharding import build_mesh  # noqa: E402
 
 from runs import ROOT, xla_flags  # noqa: E402
 
@@ -89,25 +87,6 @@ def hf_logits(path: Path, batch: np.ndarray, **kw) -> np.ndarray:
     ).eval()
     with torch.no_grad():
         return model(torch.from_numpy(batch.astype(np.int64))).logits.numpy()
-
-
-def positions_of(batch: np.ndarray) -> jax.Array:
-    return jnp.broadcast_to(jnp.arange(batch.shape[1]), batch.shape)
-
-
-def imported(path: Path, **over):
-    cfg = model_config_from_hf(path, init_from=f"hf:{path}", **over)
-    parts = build_model(cfg, 0, build_mesh(MeshConfig()))
-    return cfg, nnx.merge(parts.graphdef, parts.params, *parts.others)
-
-
-@nnx.jit
-def forward(model, ids, positions, segment_ids=None):
-    return model(ids, positions, segment_ids)
-
-
-def logits_of(model, batch: np.ndarray) -> np.ndarray:
-    return np.asarray(forward(model, jnp.asarray(batch), positions_of(batch)))
 
 
 _BUILT: dict[str, tuple] = {}
@@ -538,37 +517,11 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     """Start from an MXFP4 checkpoint, train 4 steps on packed documents; 2 steps then a resume
     to 4 give bit-identical losses; the export (unquantized) loads in transformers with the
     run's logits, and greedy `runtime sample` equals transformers' greedy generate."""
-    from jobspec.load import parse_run_config
     from runtime.commands.hf import export_checkpoint
     from runtime.commands.offline import restore_checkpoint, sample_checkpoint
-    from runtime.train.loop import train
-
-    from runs import read_jsonl, tiny_config
 
     src = mxfp4_checkpoint(hf_model(tmp_path / "hf", vocab_size=260), tmp_path / "mxfp4")
-    losses = {}
-    for name, split in (("whole", None), ("split", 2)):
-        raw = tiny_config(
-            prepared, str(tmp_path / "runs"), name, training={"target_tokens": 16 * 8 * 4}
-        )
-        raw["model"] = {"init_from": f"hf:{src}"}
-        raw["data"]["order"] = "document_buffer"
-        raw["checkpoint"] = {"every": 2, "keep": 3, "async": False}
-        cfg = parse_run_config(raw)
-        if split:
-            # The same run stopped after `split` steps (its checkpoint), then resumed: one
-            # program, one schedule, so every loss must be the same bits.
-            stopped = train(cfg, "", resume=False, max_steps=split, emit=lambda _: None)
-            assert stopped.status == "stopped", stopped.status
-            result = train(cfg, "", resume=True, emit=lambda _: None)
-        else:
-            result = train(cfg, "", resume=False, emit=lambda _: None)
-        assert result.status == "completed"
-        losses[name] = [
-            r["loss"] for r in read_jsonl(tmp_path / "runs" / name / "metrics" / "train.jsonl")
-        ]
-    assert len(losses["whole"]) == 4 and losses["whole"] == losses["split"]
-    assert losses["whole"][-1] < losses["whole"][0]
+    resume_is_exact(prepared, tmp_path / "runs", src)
 
     run_dir = tmp_path / "runs" / "whole"
     out = tmp_path / "export"

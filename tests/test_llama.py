@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers", reason="the HF parity tests n
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from hf_family import forward, logits_of, resume_is_exact  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.families.model_config import ModelConfig  # noqa: E402
@@ -38,7 +39,7 @@ from runtime.model.hf_weights import hf_from_params, write_hf  # noqa: E402
 from runtime.model.llama.decoder import inv_freq  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 
-from runs import ROOT, read_jsonl, tiny_config, xla_flags  # noqa: E402
+from runs import ROOT, tiny_config, xla_flags  # noqa: E402
 
 #: fp32 parity bound; observed differences are ~1e-7.
 TOL = 1e-5
@@ -105,19 +106,6 @@ def hf_loaded(path: Path, family: str):
 def hf_logits(path: Path, batch: np.ndarray, family: str = "llama") -> np.ndarray:
     with torch.no_grad():
         return hf_loaded(path, family)(torch.from_numpy(batch.astype(np.int64))).logits.numpy()
-
-
-def positions_of(batch: np.ndarray) -> jax.Array:
-    return jnp.broadcast_to(jnp.arange(batch.shape[1]), batch.shape)
-
-
-@nnx.jit
-def forward(model, ids, positions, segment_ids=None):
-    return model(ids, positions, segment_ids)
-
-
-def logits_of(model, batch: np.ndarray) -> np.ndarray:
-    return np.asarray(forward(model, jnp.asarray(batch), positions_of(batch)))
 
 
 _BUILT: dict[str, tuple] = {}
@@ -402,36 +390,12 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     """Import a tiny Llama with every feature on, train 4 steps on packed documents; 2 steps then
     a resume to 4 give bit-identical losses; the export loads in transformers with the run's
     logits, and greedy `runtime sample` equals transformers' greedy generate."""
-    from jobspec.load import parse_run_config
     from runtime.commands.hf import export_checkpoint
     from runtime.commands.offline import restore_checkpoint, sample_checkpoint
-    from runtime.train.loop import train
 
     src = hf_model(tmp_path / "hf", **ALL_ON, vocab_size=260, tie_word_embeddings=True)
-    losses = {}
-    for name, split in (("whole", None), ("split", 2)):
-        raw = tiny_config(
-            prepared, str(tmp_path / "runs"), name, training={"target_tokens": 16 * 8 * 4}
-        )
-        raw["model"] = {"init_from": f"hf:{src}"}
-        raw["data"]["order"] = "document_buffer"
-        raw["checkpoint"] = {"every": 2, "keep": 3, "async": False}
-        cfg = parse_run_config(raw)
-        assert cfg.model.family == "llama" and cfg.model.llama.rope_scaling is not None
-        if split:
-            # The same run stopped after `split` steps (its checkpoint), then resumed: one
-            # program, one schedule, so every loss must be the same bits.
-            stopped = train(cfg, "", resume=False, max_steps=split, emit=lambda _: None)
-            assert stopped.status == "stopped", stopped.status
-            result = train(cfg, "", resume=True, emit=lambda _: None)
-        else:
-            result = train(cfg, "", resume=False, emit=lambda _: None)
-        assert result.status == "completed"
-        losses[name] = [
-            r["loss"] for r in read_jsonl(tmp_path / "runs" / name / "metrics" / "train.jsonl")
-        ]
-    assert len(losses["whole"]) == 4 and losses["whole"] == losses["split"]
-    assert losses["whole"][-1] < losses["whole"][0]
+    cfg, _ = resume_is_exact(prepared, tmp_path / "runs", src)
+    assert cfg.model.family == "llama" and cfg.model.llama.rope_scaling is not None
 
     run_dir = tmp_path / "runs" / "whole"
     out = tmp_path / "export"

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers", reason="the HF parity tests n
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from hf_family import forward, logits_of, resume_is_exact  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
@@ -40,7 +41,7 @@ from runtime.model.flops import parameter_counts  # noqa: E402
 from runtime.model.hf_weights import hf_from_params, write_hf  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 
-from runs import ROOT, read_jsonl, tiny_config, xla_flags  # noqa: E402
+from runs import ROOT, tiny_config, xla_flags  # noqa: E402
 
 #: fp32 parity bound; observed differences are ~2e-6.
 TOL = 1e-5
@@ -158,10 +159,6 @@ def hf_logits(path: Path, batch: np.ndarray, cls) -> np.ndarray:
         return model(torch.from_numpy(batch.astype(np.int64))).logits.numpy()
 
 
-def positions_of(batch: np.ndarray) -> jax.Array:
-    return jnp.broadcast_to(jnp.arange(batch.shape[1]), batch.shape)
-
-
 def imported(path: Path, **over):
     cfg = model_config_from_hf(path, init_from=f"hf:{path}", **over)
     table = "qwen3_5_moe" if cfg.family == "qwen3_5_moe_text" else "qwen3_5"
@@ -170,15 +167,6 @@ def imported(path: Path, **over):
     )
     parts = build_model(cfg, 0, build_mesh(MeshConfig()))
     return cfg, nnx.merge(parts.graphdef, parts.params, *parts.others)
-
-
-@nnx.jit
-def forward(model, ids, positions, segment_ids=None):
-    return model(ids, positions, segment_ids)
-
-
-def logits_of(model, batch: np.ndarray) -> np.ndarray:
-    return np.asarray(forward(model, jnp.asarray(batch), positions_of(batch)))
 
 
 _BUILT: dict[str, tuple] = {}
@@ -492,38 +480,14 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     bit-identical losses that fall; `runtime export hf` writes the text model in the source's
     layout, which transformers loads as Qwen3_5MoeForCausalLM with the run's logits, and greedy
     `runtime sample` equals transformers' greedy generate on it."""
-    from jobspec.load import parse_run_config
     from runtime.commands.hf import export_checkpoint
     from runtime.commands.offline import restore_checkpoint, sample_checkpoint
-    from runtime.train.loop import train
 
     src = multimodal_model(tmp_path / "hf", moe=True, fused=True, vocab_size=260)
-    losses = {}
-    for name, split in (("whole", None), ("split", 2)):
-        raw = tiny_config(
-            prepared, str(tmp_path / "runs"), name, training={"target_tokens": 16 * 8 * 4}
-        )
-        raw["model"] = {"init_from": f"hf:{src}", "qwen3_5_moe": {"chunk_size": CHUNK}}
-        # A constant rate: the 2-step run's train step is the 4-step run's (one compile).
-        raw["optimizer"]["schedule"] = {"kind": "constant"}
-        raw["data"]["order"] = "document_buffer"
-        raw["checkpoint"] = {"every": 2, "keep": 3, "async": False}
-        cfg = parse_run_config(raw)
-        assert cfg.model.family == "qwen3_5_moe_text"
-        if split:
-            # The same run stopped after `split` steps (its checkpoint), then resumed: one
-            # program, one schedule, so every loss must be the same bits.
-            stopped = train(cfg, "", resume=False, max_steps=split, emit=lambda _: None)
-            assert stopped.status == "stopped", stopped.status
-            result = train(cfg, "", resume=True, emit=lambda _: None)
-        else:
-            result = train(cfg, "", resume=False, emit=lambda _: None)
-        assert result.status == "completed"
-        losses[name] = [
-            r["loss"] for r in read_jsonl(tmp_path / "runs" / name / "metrics" / "train.jsonl")
-        ]
-    assert len(losses["whole"]) == 4 and losses["whole"] == losses["split"]
-    assert losses["whole"][-1] < losses["whole"][0]
+    cfg, _ = resume_is_exact(
+        prepared, tmp_path / "runs", src, model={"qwen3_5_moe": {"chunk_size": CHUNK}}
+    )
+    assert cfg.model.family == "qwen3_5_moe_text"
 
     run_dir = tmp_path / "runs" / "whole"
     out = tmp_path / "export"

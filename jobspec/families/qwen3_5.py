@@ -5,7 +5,7 @@ multimodal `qwen3_5` / `qwen3_5_moe` configs read through their `text_config`)."
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -21,39 +21,15 @@ from jobspec.families.hf import (
     shared_hf_config,
 )
 from jobspec.families.model_config import EXPERT_KEYS, ModelConfig
-from jobspec.section import PositiveInt, Section
+from jobspec.families.qwen3_next import HybridMixerConfig, mixer_problem
+from jobspec.section import PositiveInt
 
 
-class Qwen3_5Config(Section):
+class Qwen3_5Config(HybridMixerConfig):
     """The `qwen3_5_text` family's own settings (HF `Qwen3_5TextConfig`). The shared `[model]`
     keys describe its gated full-attention layers (`num_heads`, `num_kv_heads`, `head_dim`,
     `rope_theta`) and the SwiGLU MLP every layer has (`intermediate_size`)."""
 
-    # A tuple, so the config (a static attribute of the model's graph) stays hashable.
-    layer_types: tuple[Literal["linear_attention", "full_attention"], ...] | None = Field(
-        None,
-        description=(
-            "Token mixer per layer (Gated DeltaNet or gated full attention); default: every "
-            "full_attention_interval-th layer full, the rest linear."
-        ),
-    )
-    full_attention_interval: PositiveInt = Field(
-        4,
-        description="Without layer_types: layers i with (i + 1) % interval == 0 are full attention.",
-    )
-    linear_conv_kernel_dim: PositiveInt = Field(
-        4, description="Width of the DeltaNet layers' depthwise causal convolution over q, k, v."
-    )
-    linear_key_head_dim: PositiveInt = Field(128, description="DeltaNet query/key head dim.")
-    linear_value_head_dim: PositiveInt = Field(128, description="DeltaNet value head dim.")
-    linear_num_key_heads: PositiveInt = Field(16, description="DeltaNet query/key heads.")
-    linear_num_value_heads: PositiveInt = Field(
-        32, description="DeltaNet value heads; a multiple of linear_num_key_heads."
-    )
-    partial_rotary_factor: Annotated[float, Field(gt=0, le=1)] = Field(
-        0.25,
-        description="Fraction of the full-attention head dim that RoPE rotates (the first dims).",
-    )
     mrope_section: tuple[PositiveInt, PositiveInt, PositiveInt] | None = Field(
         None,
         description=(
@@ -64,18 +40,6 @@ class Qwen3_5Config(Section):
     mrope_interleaved: bool | None = Field(
         None, description="HF's mrope_interleaved, kept for the exported config.json."
     )
-    chunk_size: PositiveInt = Field(
-        64, description="Tokens per chunk of the chunked gated delta rule (training and prefill)."
-    )
-
-    def resolved_layer_types(self, num_layers: int) -> list[str]:
-        """layer_types, or transformers' default pattern from full_attention_interval."""
-        if self.layer_types is not None:
-            return list(self.layer_types)
-        n = self.full_attention_interval
-        return [
-            "full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(num_layers)
-        ]
 
 
 class Qwen3_5MoeConfig(Qwen3_5Config):
@@ -91,24 +55,9 @@ class Qwen3_5MoeConfig(Qwen3_5Config):
 
 def _mixer_problem(cfg: ModelConfig, q: Qwen3_5Config, table: str) -> str | None:
     """What both families check of their layers and heads (`table`: model.<their table>)."""
-    n = cfg.num_layers
-    if q.layer_types is not None and len(q.layer_types) != n:
-        return (
-            f"{table}.layer_types has {len(q.layer_types)} entries but model.num_layers is {n}; "
-            "give one type per layer"
-        )
-    if q.linear_num_value_heads % q.linear_num_key_heads:
-        return (
-            f"{table}.linear_num_value_heads ({q.linear_num_value_heads}) must be a multiple of "
-            f"{table}.linear_num_key_heads ({q.linear_num_key_heads})"
-        )
-    rotated = int(cfg.resolved_head_dim * q.partial_rotary_factor)
-    if rotated < 2 or rotated % 2:
-        return (
-            f"{table}.partial_rotary_factor = {q.partial_rotary_factor} rotates {rotated} of "
-            f"model.head_dim = {cfg.resolved_head_dim} dims; it must rotate an even number, at "
-            "least 2"
-        )
+    problem = mixer_problem(cfg, q, table)
+    if problem:
+        return problem
     if cfg.scan_layers:
         return (
             f"model.scan_layers = true is not available for {cfg.family} (its layers differ in "

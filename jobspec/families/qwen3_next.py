@@ -21,12 +21,10 @@ from jobspec.families.model_config import EXPERT_KEYS, ModelConfig
 from jobspec.section import NonNegativeInt, PositiveInt, Section
 
 
-class Qwen3NextConfig(Section):
-    """The `qwen3_next` family's own settings (HF `Qwen3NextConfig`). The shared `[model]` keys
-    describe its full-attention layers (`num_heads`, `num_kv_heads`, `head_dim`, `rope_theta`),
-    the dense MLP of non-MoE layers (`intermediate_size`) and the routed experts
-    (`num_experts`, `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`,
-    `router_bias_update_rate`; unset experts: every layer is dense)."""
+class HybridMixerConfig(Section):
+    """What the Gated-DeltaNet / gated-attention hybrids share (Qwen3-Next, and Qwen3.5 after
+    it): which layers mix tokens how, the DeltaNet layers' shapes, the partial RoPE of the full
+    attention layers and the delta rule's chunk."""
 
     # A tuple, so the config (a static attribute of the model's graph) stays hashable.
     layer_types: tuple[Literal["linear_attention", "full_attention"], ...] | None = Field(
@@ -53,16 +51,6 @@ class Qwen3NextConfig(Section):
         0.25,
         description="Fraction of the full-attention head dim that RoPE rotates (the first dims).",
     )
-    shared_expert_intermediate_size: PositiveInt = Field(
-        512,
-        description="Width of the SwiGLU shared expert beside the routed experts of MoE layers.",
-    )
-    decoder_sparse_step: PositiveInt = Field(
-        1, description="Layers i with (i + 1) % step == 0 are MoE layers (when experts are set)."
-    )
-    mlp_only_layers: tuple[NonNegativeInt, ...] = Field(
-        (), description="Layer indices that use the dense MLP instead of the MoE."
-    )
     chunk_size: PositiveInt = Field(
         64, description="Tokens per chunk of the chunked gated delta rule (training and prefill)."
     )
@@ -75,6 +63,48 @@ class Qwen3NextConfig(Section):
         return [
             "full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(num_layers)
         ]
+
+
+def mixer_problem(cfg: ModelConfig, q: HybridMixerConfig, table: str) -> str | None:
+    """What a hybrid's layers and heads must satisfy (`table`: model.<its table>), or None."""
+    n = cfg.num_layers
+    if q.layer_types is not None and len(q.layer_types) != n:
+        return (
+            f"{table}.layer_types has {len(q.layer_types)} entries but model.num_layers is {n}; "
+            "give one type per layer"
+        )
+    if q.linear_num_value_heads % q.linear_num_key_heads:
+        return (
+            f"{table}.linear_num_value_heads ({q.linear_num_value_heads}) must be a multiple of "
+            f"{table}.linear_num_key_heads ({q.linear_num_key_heads})"
+        )
+    rotated = int(cfg.resolved_head_dim * q.partial_rotary_factor)
+    if rotated < 2 or rotated % 2:
+        return (
+            f"{table}.partial_rotary_factor = {q.partial_rotary_factor} rotates {rotated} of "
+            f"model.head_dim = {cfg.resolved_head_dim} dims; it must rotate an even number, at "
+            "least 2"
+        )
+    return None
+
+
+class Qwen3NextConfig(HybridMixerConfig):
+    """The `qwen3_next` family's own settings (HF `Qwen3NextConfig`). The shared `[model]` keys
+    describe its full-attention layers (`num_heads`, `num_kv_heads`, `head_dim`, `rope_theta`),
+    the dense MLP of non-MoE layers (`intermediate_size`) and the routed experts
+    (`num_experts`, `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`,
+    `router_bias_update_rate`; unset experts: every layer is dense)."""
+
+    shared_expert_intermediate_size: PositiveInt = Field(
+        512,
+        description="Width of the SwiGLU shared expert beside the routed experts of MoE layers.",
+    )
+    decoder_sparse_step: PositiveInt = Field(
+        1, description="Layers i with (i + 1) % step == 0 are MoE layers (when experts are set)."
+    )
+    mlp_only_layers: tuple[NonNegativeInt, ...] = Field(
+        (), description="Layer indices that use the dense MLP instead of the MoE."
+    )
 
     def moe_layers(self, num_layers: int, num_experts: int | None) -> list[bool]:
         """Per layer: does it route through experts (HF's mlp_only_layers / decoder_sparse_step)?"""
@@ -102,28 +132,14 @@ class Qwen3NextModelConfig(ModelConfig):
 
     def family_problem(self) -> str | None:
         q, n = self.qwen3_next, self.num_layers
-        if q.layer_types is not None and len(q.layer_types) != n:
-            return (
-                f"model.qwen3_next.layer_types has {len(q.layer_types)} entries but model.num_layers "
-                f"is {n}; give one type per layer"
-            )
-        if q.linear_num_value_heads % q.linear_num_key_heads:
-            return (
-                f"model.qwen3_next.linear_num_value_heads ({q.linear_num_value_heads}) must be a "
-                f"multiple of model.qwen3_next.linear_num_key_heads ({q.linear_num_key_heads})"
-            )
+        problem = mixer_problem(self, q, "model.qwen3_next")
+        if problem:
+            return problem
         bad = [i for i in q.mlp_only_layers if i >= n]
         if bad:
             return (
                 f"model.qwen3_next.mlp_only_layers names layer {bad[0]}, but model.num_layers is {n} "
                 f"(layers 0-{n - 1})"
-            )
-        rotated = int(self.resolved_head_dim * q.partial_rotary_factor)
-        if rotated < 2 or rotated % 2:
-            return (
-                f"model.qwen3_next.partial_rotary_factor = {q.partial_rotary_factor} rotates {rotated} "
-                f"of model.head_dim = {self.resolved_head_dim} dims; it must rotate an even number, at "
-                "least 2"
             )
         given = [k for k in EXPERT_KEYS if getattr(self, k) is not None]
         if given and len(given) < len(EXPERT_KEYS):

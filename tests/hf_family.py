@@ -32,6 +32,16 @@ def logits_of(model, batch: np.ndarray) -> np.ndarray:
     return np.asarray(forward(model, jnp.asarray(batch), positions_of(batch)))
 
 
+def hf_logits_of(cls, path: Path, batch: np.ndarray, **kw) -> np.ndarray:
+    """transformers' fp32 logits (eager attention) of the model class `cls` saved at `path`, on
+    int token ids [B, T]; `kw`: more `from_pretrained` arguments."""
+    import torch
+
+    model = cls.from_pretrained(path, attn_implementation="eager", dtype=torch.float32, **kw)
+    with torch.no_grad():
+        return model.eval()(torch.from_numpy(batch.astype(np.int64))).logits.numpy()
+
+
 def imported(path: Path, **over):
     """(model config, our model) of the HF folder `path`, as `model.init_from = "hf:PATH"`
     builds it on one device; `over`: ModelConfig fields to set."""

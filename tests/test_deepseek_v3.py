@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers", reason="the HF parity tests n
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from hf_family import forward, imported, logits_of, positions_of, resume_is_exact  # noqa: E402
+from hf_family import forward, hf_logits_of, imported, logits_of, positions_of, resume_is_exact  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
 from runtime.hf.convert import flat_params, model_config_from_hf  # noqa: E402
@@ -83,11 +83,7 @@ def hf_model(tmp: Path, seed: int = 0, **over) -> Path:
 
 
 def hf_logits(path: Path, batch: np.ndarray) -> np.ndarray:
-    model = transformers.DeepseekV3ForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32
-    ).eval()
-    with torch.no_grad():
-        return model(torch.from_numpy(batch.astype(np.int64))).logits.numpy()
+    return hf_logits_of(transformers.DeepseekV3ForCausalLM, path, batch)
 
 
 _BUILT: dict[str, tuple] = {}

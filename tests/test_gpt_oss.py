@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers", reason="the HF parity tests n
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from hf_family import forward, imported, logits_of, resume_is_exact  # noqa: E402
+from hf_family import forward, hf_logits_of, imported, logits_of, resume_is_exact  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
@@ -82,11 +82,7 @@ def hf_model(tmp: Path, seed: int = 0, **over) -> Path:
 
 
 def hf_logits(path: Path, batch: np.ndarray, **kw) -> np.ndarray:
-    model = transformers.GptOssForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32, **kw
-    ).eval()
-    with torch.no_grad():
-        return model(torch.from_numpy(batch.astype(np.int64))).logits.numpy()
+    return hf_logits_of(transformers.GptOssForCausalLM, path, batch, **kw)
 
 
 _BUILT: dict[str, tuple] = {}

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers", reason="the HF parity tests n
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from hf_family import forward, logits_of, resume_is_exact  # noqa: E402
+from hf_family import forward, hf_logits_of, logits_of, resume_is_exact  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
@@ -154,9 +154,7 @@ def language_model(path: Path) -> dict[str, np.ndarray]:
 
 
 def hf_logits(path: Path, batch: np.ndarray, cls) -> np.ndarray:
-    model = cls.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.from_numpy(batch.astype(np.int64))).logits.numpy()
+    return hf_logits_of(cls, path, batch)
 
 
 def imported(path: Path, **over):

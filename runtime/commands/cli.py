@@ -205,6 +205,12 @@ def worker_cmd(config: str, reshard: bool, max_steps: int | None, sets: tuple[st
 
         sys.exit(run_host(config, _overrides(sets)))
     cfg, source = _load(config, (*sets, *_identity_sets(boot.BootContract.from_env())))
+    from jobspec.storage import join
+    from runtime.run import early_check
+
+    # A restarted attempt resumes from the newest step: its checksums compared while the hosts
+    # form the cluster (nothing is read when the run has no checkpoint, or lives on gs://).
+    early_check.start(join(cfg.run.output_uri, cfg.run.id), None)
     info = boot.boot(
         timeout_s=cfg.runtime.boot_timeout_s,
         # JAX's own abort must come after our watchdog's clearer exit.

@@ -1,4 +1,5 @@
-"""A resume's checksum comparison, started when `runtime local --resume` starts.
+"""A resume's checksum comparison, started when `runtime local --resume` or `runtime worker`
+(which resumes a run that has a checkpoint) starts.
 
 A resume compares the step's files with the checksums recorded at its save (a local file by
 its content: every byte read and hashed). Started here, beside the import of the training code

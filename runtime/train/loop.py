@@ -228,7 +228,7 @@ def _train(
         async_save=cfg.checkpoint.async_,
         every=cfg.checkpoint.every,
         last_step=cfg.training.total_steps,
-        early_finding=early_check.take,  # `runtime local --resume` compares from its start
+        early_finding=early_check.take,  # compared from the process start (run/early_check.py)
     )
     info = boot.current()
     attempt = info.attempt if info else 0

@@ -6,7 +6,7 @@ line per check on stdout (and in $OUT/gpt_oss_check.jsonl when OUT is set).
 
     python3 bench/tpu/gpt_oss_check.py          # SMALL=1: tiny shapes, no timing (a CPU dry run)
 
-Comparisons run at `jax.default_matmul_precision("highest")`; each sinks case has a no-sinks
+Comparisons in fp32 run at `jax.default_matmul_precision("highest")` (the tiny model too, in fp32); each sinks case has a no-sinks
 twin, so the kernel's own rounding is the yardstick for what the sinks add.
 """
 
@@ -26,13 +26,16 @@ import numpy as np  # noqa: E402
 
 from runtime.model import attention  # noqa: E402
 
-ROWS: list[dict] = []
 SMALL = os.environ.get("SMALL") == "1"
 
 
 def emit(row: dict) -> None:
-    ROWS.append(row)
+    """Print the row and append it to $OUT/gpt_oss_check.jsonl at once: a later check that fails
+    does not lose the rows before it."""
     print(json.dumps(row), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpt_oss_check.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def rel(a: jax.Array, b: jax.Array) -> float:
@@ -96,7 +99,8 @@ def model_case() -> dict:
     out = {}
     for name in ("xla-dense", "splash-dense", "splash-sparse"):
         impl, dispatch = name.split("-")
-        cfg = ModelConfig(**base, attention=impl, moe_dispatch=dispatch)
+        cfg = ModelConfig(**base, attention=impl, moe_dispatch=dispatch,
+                          compute_dtype="float32")
         parts = build_model(cfg, 0, mesh)
 
         def loss(params, parts=parts):
@@ -146,19 +150,18 @@ def timing_case(window: int | None, impl: str, sinks_on: bool) -> dict:
 
 def main() -> None:
     emit({"check": "devices", "devices": [str(d) for d in jax.devices()]})
-    with jax.default_matmul_precision("highest"):
-        for dtype in (jnp.float32, jnp.bfloat16):
+    # "highest" for fp32 only: Mosaic refuses an fp32-precision matmul of bf16 operands.
+    for dtype in (jnp.float32, jnp.bfloat16):
+        with jax.default_matmul_precision("highest" if dtype == jnp.float32 else "default"):
             for window in (None, 128):
                 for sinks_on in (True, False):
                     emit(attention_case(128 if SMALL else 1024, window, dtype, sinks_on))
+    with jax.default_matmul_precision("highest"):
         emit(model_case())
     for window in () if SMALL else (None, 128):
         for impl in ("splash", "xla"):
             emit(timing_case(window, impl, True))
         emit(timing_case(window, "splash", False))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpt_oss_check.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in ROWS)
 
 
 if __name__ == "__main__":

@@ -99,8 +99,7 @@ def model_case() -> dict:
     out = {}
     for name in ("xla-dense", "splash-dense", "splash-sparse"):
         impl, dispatch = name.split("-")
-        cfg = ModelConfig(**base, attention=impl, moe_dispatch=dispatch,
-                          compute_dtype="float32")
+        cfg = ModelConfig(**base, attention=impl, moe_dispatch=dispatch, compute_dtype="float32")
         parts = build_model(cfg, 0, mesh)
 
         def loss(params, parts=parts):

@@ -170,9 +170,7 @@ def check_mesh_fits(spec: JobSpec, run: RunConfig, backend: str) -> None:
     if run.mesh.size != devices:
         m = run.mesh
         raise ConfigError(
-            f"run.mesh: slices x data x expert x fsdp x tensor = {m.slices} x {m.data} x "
-            f"{m.expert} x {m.fsdp} x {m.tensor} = "
-            f"{m.size}, but this job has {procs} host(s) x {per} device(s) = {devices} on the "
+            f"run.mesh: {m.product()}, but this job has {procs} host(s) x {per} device(s) = {devices} on the "
             f"{backend} backend; make the mesh product {devices}"
         )
     if run.mesh.slices != 1 and run.mesh.slices != spec.slices:

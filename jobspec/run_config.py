@@ -390,6 +390,13 @@ class MeshConfig(Section):
     tensor: PositiveInt = Field(
         1, description="Tensor-parallel devices (heads, MLP hidden, vocab)."
     )
+    context: PositiveInt = Field(
+        1,
+        description=(
+            "Devices one sequence is split over (context parallelism): activations shard their "
+            "length over it, attention gathers keys and values; parameters shard over it like fsdp."
+        ),
+    )
     slices: PositiveInt = Field(
         1,
         description=(
@@ -400,7 +407,15 @@ class MeshConfig(Section):
 
     @property
     def size(self) -> int:
-        return self.slices * self.data * self.expert * self.fsdp * self.tensor
+        return self.slices * self.data * self.expert * self.fsdp * self.context * self.tensor
+
+    def product(self) -> str:
+        """'mesh.slices x mesh.data x ... x mesh.tensor = 1 x 2 x ... = N', for errors."""
+        names = ("slices", "data", "expert", "fsdp", "context", "tensor")
+        return (
+            f"{' x '.join(f'mesh.{n}' for n in names)} = "
+            f"{' x '.join(str(getattr(self, n)) for n in names)} = {self.size}"
+        )
 
     @property
     def batch_shards(self) -> int:
@@ -534,6 +549,18 @@ class RunConfig(Section):
                 f"mesh.slices x data x expert x fsdp = {shards}, the devices each batch is split "
                 "over"
             )
+        if self.mesh.context > 1:
+            if t.seq_len % self.mesh.context:
+                raise ValueError(
+                    f"training.seq_len ({t.seq_len}) must be a multiple of mesh.context "
+                    f"({self.mesh.context}), the devices each sequence is split over"
+                )
+            if m.attention == "cudnn":
+                raise ValueError(
+                    f"model.attention = 'cudnn' with mesh.context = {self.mesh.context} is not "
+                    "built yet (the kernel would need each sequence part's causal offset); set "
+                    "model.attention = 'auto' or 'xla', which gather the keys and values"
+                )
         if self.mesh.expert > 1:
             experts = m.routed_experts
             if experts is None:

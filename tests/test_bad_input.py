@@ -99,7 +99,7 @@ FRESH_CASES = {
     ),
     "mesh misfit": (
         lambda w, t: ["local", _cfg(w, t, mesh={"data": 2})],
-        "mesh.data x mesh.expert x mesh.fsdp x mesh.tensor",
+        "mesh.data x mesh.expert x mesh.fsdp x mesh.context x mesh.tensor",
     ),
     "manifest missing": (
         lambda w, t: ["local", _cfg(w, t, data={"manifest": str(t / "none/manifest.json")})],

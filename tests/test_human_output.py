@@ -133,7 +133,7 @@ def test_runtime_commands_plain_on_the_runs_artifacts(local_run, prepared, tmp_p
     assert keyed["parameters"].startswith("26,944 (")
     assert keyed["tokens/step"].startswith("128 = 8 x 1 x 16")
     assert keyed["steps"] == "4 to reach 512 tokens"
-    assert keyed["mesh"].endswith("data=2 expert=1 fsdp=1 tensor=1 (2 devices)")
+    assert keyed["mesh"].endswith("data=2 expert=1 fsdp=1 context=1 tensor=1 (2 devices)")
     data = ok(run_cli("data", "check", prepared)).splitlines()
     assert data[0] == f"{prepared}: ok" and any(ln.split()[0] == "tokenizer" for ln in data[1:])
     pre = ok(run_cli("preflight", str(cfg), "--set", "mesh.data=1")).splitlines()
@@ -156,7 +156,7 @@ def test_launch_plan_plain(tmp_path):
     text = ok(launch(tmp_path / "state", "plan", str(job), timeout=300))
     lines = fields(text)
     assert lines["target"] == "cpu x 1 host(s) x 1 slice(s) = 2 x cpu (2)", text
-    assert lines["mesh"] == "slices=1 data=2 expert=1 fsdp=1 tensor=1"
+    assert lines["mesh"] == "slices=1 data=2 expert=1 fsdp=1 context=1 tensor=1"
     assert lines["memory"].startswith("peak ") and lines["FLOPs/chip"].startswith("compiled ")
     assert lines["collectives"].split(":")[0].isdigit()
 

@@ -8,10 +8,6 @@ exactly, exports and samples what transformers generates. CPU only, tiny models.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from hf_family import forward, logits_of, resume_is_exact  # noqa: E402
+from mesh_step import same_step_on_meshes  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.families.model_config import ModelConfig  # noqa: E402
@@ -39,7 +36,7 @@ from runtime.model.hf_weights import hf_from_params, write_hf  # noqa: E402
 from runtime.model.llama.decoder import inv_freq  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
 
-from runs import ROOT, tiny_config, xla_flags  # noqa: E402
+from runs import ROOT, tiny_config  # noqa: E402
 
 #: fp32 parity bound; observed differences are ~1e-7.
 TOL = 1e-5
@@ -265,48 +262,6 @@ def test_greedy_tokens_equal_transformers_generate(built):
 # shardings and chunked loss; SGD at lr 1, so the update is minus the gradient) on packed rows
 # for each (model, mesh) and reports the loss and the largest gradient difference from the
 # first mesh of that model. (Mistral's window is a mask in the same kernel: one mesh run less.)
-_MESH_STEP = textwrap.dedent(
-    """
-    import json, sys
-    import jax, numpy as np, optax
-    from jobspec.load import parse_run_config
-    from runtime.hf.convert import flat_params
-    from runtime.model.build import build_model
-    from runtime.model.sharding import build_mesh
-    from runtime.train.program import train_program
-    from runtime.train.state import new_state, state_shardings
-
-    ids = np.random.default_rng(0).integers(0, 128, (1, 8, 17))
-    first = np.arange(16) < 7  # two documents a row: 7 tokens, then 9
-    batch = dict(
-        inputs=ids[..., :-1].astype(np.int32), targets=ids[..., 1:].astype(np.int32),
-        loss_mask=np.ones((1, 8, 16), np.float32),
-        segment_ids=np.broadcast_to(np.where(first, 1, 2), (1, 8, 16)).astype(np.int32),
-        positions=np.broadcast_to(np.where(first, np.arange(16), np.arange(16) - 7),
-                                  (1, 8, 16)).astype(np.int32),
-    )
-    refs, out = {}, []
-    for name, model, mesh in json.loads(sys.argv[1]):
-        cfg = parse_run_config(dict(
-            run=dict(id="t", output_uri="/tmp/unused"), model=model, mesh=mesh,
-            data=dict(manifest="/tmp/unused/manifest.json"),
-            training=dict(seq_len=16, global_batch_size=8, target_tokens=16 * 8 * 4,
-                          loss_chunk_size=6)))
-        devices = build_mesh(cfg.mesh, jax.devices()[: cfg.mesh.size])
-        parts = build_model(cfg.model, 0, devices)
-        before = {k: np.asarray(v) for k, v in flat_params(parts.params).items()}
-        tx = optax.sgd(1.0)
-        shardings = state_shardings(parts, tx, devices)
-        step = train_program(cfg, parts, tx, optax.constant_schedule(1.0), shardings, devices)
-        state, metrics = step(new_state(parts, tx, shardings, 0), batch)
-        grads = {k: before[k] - np.asarray(v) for k, v in flat_params(state.params).items()}
-        ref = refs.setdefault(name, (float(metrics["loss"]), grads))
-        out.append(dict(name=name, mesh=mesh, loss=float(metrics["loss"]), ref_loss=ref[0],
-                        grad_err=max(float(np.max(np.abs(g - ref[1][k]))) for k, g in grads.items()),
-                        grad_max=max(float(np.max(np.abs(g))) for g in grads.values())))
-    print(json.dumps(out))
-    """
-)
 
 _TINY = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
              head_dim=16, intermediate_size=96, max_position_embeddings=64)  # fmt: skip
@@ -320,20 +275,7 @@ _MESH_CASES = [
 
 
 def test_one_train_step_is_the_same_on_every_mesh():
-    env = {
-        **os.environ,
-        "XLA_FLAGS": xla_flags(4),
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    r = subprocess.run(
-        [sys.executable, "-c", _MESH_STEP, json.dumps(_MESH_CASES)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
-    results = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(results) == len(_MESH_CASES)
-    for res in results:
+    for res in same_step_on_meshes(_MESH_CASES):
         where = f"{res['name']} on {res['mesh']}"
         assert res["grad_max"] > 1e-3, where  # a real gradient
         assert abs(res["loss"] - res["ref_loss"]) < 1e-5, where

@@ -53,6 +53,8 @@ LAYOUTS = {  # name: (processes, devices per process, mesh)
     # the second is another process to start and compile for, and runs the same code).
     "p2-data": (2, 1, {"data": 2}),
     "p1x2-data": (1, 2, {"data": 2}),  # one process, the same mesh as p2-data: the writer baseline
+    # Each sequence split over two hosts: both read the same rows and keep a half each.
+    "p2-context": (2, 1, {"context": 2}),
 }
 
 
@@ -185,6 +187,17 @@ def test_multihost_resume_is_exact_and_reshards(tmp_path, prepared, layouts):
     assert len(moved) == STEPS
     assert moved[:half] == full[:half]
     assert moved[half:] == pytest.approx(full[half:], rel=1e-5)
+
+
+def test_resume_onto_another_context_layout(tmp_path, prepared, layouts):
+    # Half the steps with each sequence over 2 devices, the rest on 1 device with --reshard:
+    # the losses of the one-device run (layout p1) to 1e-5.
+    full = [r["loss"] for r in read_jsonl(layouts["p1"] / "metrics/train.jsonl")]
+    half = STEPS // 2
+    _worker(_config(tmp_path, prepared, "cp", {"context": 2}), "cp", 1, 2, "--max-steps", str(half))
+    _worker(_config(tmp_path, prepared, "cp", {}), "cp", 1, 1, "--reshard")
+    moved = [r["loss"] for r in read_jsonl(tmp_path / "runs/cp/metrics/train.jsonl")]
+    assert moved == pytest.approx(full, rel=1e-5)
 
 
 # A run that is still stepping when the test acts on it. Its schedule decays over STEPS as the

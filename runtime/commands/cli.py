@@ -312,7 +312,7 @@ def config_check(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
     )
     click.echo(f"  steps            {t.total_steps:,} to reach {t.target_tokens:,} tokens")
     click.echo(
-        f"  mesh             slices={cfg.mesh.slices} data={cfg.mesh.data} expert={cfg.mesh.expert} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor} ({cfg.mesh.size} device{'' if cfg.mesh.size == 1 else 's'})"
+        f"  mesh             slices={cfg.mesh.slices} data={cfg.mesh.data} expert={cfg.mesh.expert} fsdp={cfg.mesh.fsdp} context={cfg.mesh.context} tensor={cfg.mesh.tensor} ({cfg.mesh.size} device{'' if cfg.mesh.size == 1 else 's'})"
     )
 
 

@@ -47,7 +47,7 @@ def _setup_lines(report: dict) -> list[str]:
         f"target      {t['accelerator']} x {t['hosts']} host(s) x {t['slices']} slice(s) = "
         f"{t['devices']} x {report['device_kind']} ({t['topology']})",
         f"mesh        slices={mesh['slices']} data={mesh['data']} "
-        f"expert={mesh['expert']} fsdp={mesh['fsdp']} "
+        f"expert={mesh['expert']} fsdp={mesh['fsdp']} context={mesh['context']} "
         f"tensor={mesh['tensor']}",
         *(
             [f"moe         {_dispatch(report['moe_dispatch'])}"]

@@ -34,14 +34,18 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
     """
     m, t = cfg.model, cfg.training
     n = parameter_counts(m)["total"]
-    shards = cfg.mesh.fsdp * cfg.mesh.tensor
+    # Parameters shard over fsdp x context along embed and over tensor (runtime/model/sharding.py).
+    shards = cfg.mesh.fsdp * cfg.mesh.context * cfg.mesh.tensor
     pbytes = _BYTES[m.param_dtype]
     cbytes = _BYTES[m.compute_dtype]
     params = n * pbytes / shards
     grads = n * 4 / shards
     adam = 2 * n * 4 / shards
-    # The batch is split over slice x data x expert x fsdp (runtime/model/sharding.py, "batch").
+    # The batch is split over slice x data x expert x fsdp (runtime/model/sharding.py, "batch"),
+    # and each row over context: a device holds `tokens` of them (its queries' scores span the
+    # whole sequence's keys: the seq_len term of "none" stays whole).
     rows = t.global_batch_size / cfg.mesh.batch_shards
+    tokens = rows * t.seq_len / cfg.mesh.context
     # MLP values per token and layer, per family (an MoE's dense dispatch keeps every expert's).
     mlp = spec_for(m).mlp_activations(m)
     per_token_layer = {
@@ -53,8 +57,8 @@ def memory_estimate(cfg: RunConfig, devices: int) -> dict[str, Any]:
         "full": m.hidden_size,
         "auto": m.hidden_size,  # full where attention does not fit: the least it needs
     }[m.remat]
-    activations = rows * t.seq_len * m.num_layers * per_token_layer * cbytes
-    logits = rows * t.seq_len * m.vocab_size * 4 / cfg.mesh.tensor
+    activations = tokens * m.num_layers * per_token_layer * cbytes
+    logits = tokens * m.vocab_size * 4 / cfg.mesh.tensor
     total = params + grads + adam + activations + logits
     return {
         "per_device_bytes": int(total),
@@ -98,7 +102,7 @@ def _devices_detail(devices: list) -> str:
 def _mesh_detail(cfg: RunConfig) -> str:
     return (
         f"slices={cfg.mesh.slices} data={cfg.mesh.data} expert={cfg.mesh.expert} "
-        f"fsdp={cfg.mesh.fsdp} "
+        f"fsdp={cfg.mesh.fsdp} context={cfg.mesh.context} "
         f"tensor={cfg.mesh.tensor} fits "
         f"{len(build_mesh(cfg.mesh).devices.flat)} devices"
     )

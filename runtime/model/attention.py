@@ -56,7 +56,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from runtime.model import sharding
+from runtime.model import context_parallel, sharding
 
 IMPLS = ("auto", "xla", "cudnn", "splash")
 
@@ -141,8 +141,10 @@ def cached_attention(
 
 
 def causal_mask(t: int, segment_ids: jax.Array | None, window: int | None = None) -> jax.Array:
-    """bool [B|1, T, T]: causal, within equal segment ids when given, and within `window`."""
-    idx = jnp.arange(t)
+    """bool [B|1, T, T]: causal, within equal segment ids when given, and within `window`; by
+    the tokens' original indices when the step lays the sequence out for context parallelism."""
+    order = context_parallel.sequence_order()
+    idx = jnp.arange(t) if order is None or len(order) != t else jnp.asarray(order)
     mask = idx[:, None] >= idx[None, :]
     if window is not None:
         mask = mask & (idx[None, :] > idx[:, None] - window)
@@ -161,8 +163,15 @@ def xla_attention(
     window: int | None = None,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """The reference: scores for every (query, key) pair, masked, softmaxed."""
-    return masked_attention(q, k, v, causal_mask(q.shape[1], segment_ids, window), scale, sinks)
+    """The reference: scores for every (query, key) pair, masked, softmaxed. Under a mesh with
+    `context` > 1 each device holds a part of the queries and gathers every key and value (the
+    queries' part of the T x T scores per device: no work idles, since none is skipped)."""
+    mask = causal_mask(q.shape[1], segment_ids, window)
+    if sharding.context_size() > 1:
+        k = sharding.constrain(k, ("batch", None, "kv_heads", None))
+        v = sharding.constrain(v, ("batch", None, "kv_heads", None))
+        mask = sharding.constrain(mask, ("batch", "length", None))
+    return masked_attention(q, k, v, mask, scale, sinks)
 
 
 # --- platform ---------------------------------------------------------------------------------
@@ -200,11 +209,23 @@ def unsupported(
     if q.ndim != 4 or k.ndim != 4 or q.shape[2] % k.shape[2]:
         return f"q [B,T,H,D] and k/v [B,T,KV,D] with KV dividing H (got {q.shape}, {k.shape})"
     t, d = q.shape[1], q.shape[3]
+    shards = sharding.context_size()
+    if kernel == "cudnn" and shards > 1:
+        return (
+            "cudnn with mesh.context > 1 is not built yet (each sequence part needs its own "
+            "causal offset in the kernel); xla gathers the keys and values instead"
+        )
     if kernel == "splash":
         if platform not in ("tpu", "cpu"):
             return f"splash is a TPU kernel (interpret mode on CPU for tests), not for {platform}"
         if t % 128:
             return f"splash needs the sequence length to be a multiple of 128, got {t}"
+        part = min(n for _, n in context_parallel.shard_chunks(t, shards, 0))
+        if shards > 1 and (t % shards or part % 128):
+            return (
+                f"splash under mesh.context = {shards} needs each device's chunks of the "
+                f"sequence to be multiples of 128 tokens, got {part}"
+            )
     elif kernel == "cudnn":
         if sinks:
             return "cudnn cannot honour attention sinks (a learned logit per head in the softmax)"
@@ -242,27 +263,37 @@ def splash_block(t: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(heads: int, t: int, interpret: bool, window: int | None = None):
+def _splash_kernel(
+    heads: int,
+    t: int,
+    interpret: bool,
+    window: int | None = None,
+    kv_len: int | None = None,
+    offset: int = 0,
+):
     """The splash kernel for `heads` local query heads over T tokens, causal, and local to
     `window` keys when given (built once per shape: the mask's block structure is computed in
-    numpy at construction, and blocks outside the window are skipped)."""
+    numpy at construction, and blocks outside the window are skipped). With `kv_len` the queries
+    are T tokens starting at `offset` of a sequence of kv_len keys (a device's part under
+    context parallelism)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    blk = splash_block(t)
+    kv = t if kv_len is None else kv_len
+    bq, bkv = splash_block(t), splash_block(kv)
     block_sizes = sa.BlockSizes(
-        block_q=blk,
-        block_kv=blk,
-        block_kv_compute=blk,
-        block_q_dkv=blk,
-        block_kv_dkv=blk,
-        block_kv_dkv_compute=blk,
-        block_q_dq=blk,
-        block_kv_dq=blk,
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bkv,
+        block_q_dkv=bq,
+        block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv,
+        block_q_dq=bq,
+        block_kv_dq=bkv,
     )
     if window is None:
-        one = sa.CausalMask((t, t))
+        one = sa.CausalMask((t, kv), offset=offset)
     else:
-        one = sa.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
+        one = sa.LocalMask((t, kv), window_size=(window - 1, 0), offset=offset)
     mask = sa.MultiHeadMask([one for _ in range(heads)])
     # Built at trace time: the mask tables must be concrete, and are kept as numpy so the cached
     # kernel holds no jax value of any one trace or device (they become constants of the step).
@@ -287,13 +318,18 @@ def _splash_local(
     scale: float | None = None,
     window: int | None = None,
     sinks: jax.Array | None = None,
+    offset: int = 0,
+    kv_segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Splash on one device's shard: q [b,T,h,D], k/v [b,T,kv,D], segment_ids [b,T] | None,
-    sinks [h] | None (the kernel's own argument: logits, as the scores after the scale)."""
+    sinks [h] | None (the kernel's own argument: logits, as the scores after the scale). Under
+    context parallelism k/v [b,S,kv,D] hold the whole sequence, q its T tokens from `offset`,
+    and `kv_segment_ids` [b,S] the keys' segment ids."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     _, t, h, d = q.shape
-    kernel = _splash_kernel(h, t, interpret, window)
+    s = k.shape[1]
+    kernel = _splash_kernel(h, t, interpret, window, None if s == t else s, offset)
     # The kernel takes heads-major [H, T, D] per example and applies no scale of its own.
     scale = d**-0.5 if scale is None else scale
     qh = jnp.swapaxes(q if scale == 1.0 else q * jnp.asarray(scale, q.dtype), 1, 2)
@@ -302,9 +338,10 @@ def _splash_local(
     if segment_ids is None:
         out = jax.vmap(lambda a, b, c: kernel(a, b, c, **extra))(qh, kh, vh)
     else:
-        out = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=SegmentIds(s, s), **extra))(
-            qh, kh, vh, segment_ids
-        )
+        kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+        out = jax.vmap(
+            lambda a, b, c, sq, sk: kernel(a, b, c, segment_ids=SegmentIds(sq, sk), **extra)
+        )(qh, kh, vh, segment_ids, kv_seg)
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
 
 
@@ -383,6 +420,66 @@ def _per_shard_with_sinks(
     return fn(*args)
 
 
+def _splash_context(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    sinks: jax.Array | None,
+    local,
+) -> jax.Array:
+    """Splash under `mesh.context` = C > 1: each device attends its queries (the chunks of
+    `context_parallel.shard_chunks`: one early and one late part of the sequence in the
+    balanced layout) to every key and value, gathered over `context` and put back in the
+    original order, one kernel per chunk with that chunk's causal offset. The device's index
+    is only known when the step runs, so each device picks its kernels with a `lax.switch`
+    over the C devices' static masks."""
+    mesh = sharding.current_mesh()
+    c, t = int(mesh.shape["context"]), q.shape[1]
+    order = context_parallel.sequence_order()
+    back = None if order is None else np.argsort(order)
+    q_spec = sharding.mesh_spec(("batch", "length", "heads", None), q.shape, mesh)
+    kv_spec = sharding.mesh_spec(("batch", None, "kv_heads", None), k.shape, mesh)
+    if q_spec[2] is not None and kv_spec[2] != q_spec[2]:
+        rep = q.shape[2] // k.shape[2]  # as in per_shard: each query head its kv head's copy
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        kv_spec = sharding.mesh_spec(("batch", None, "heads", None), k.shape, mesh)
+    args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+    if segment_ids is not None:
+        args += [segment_ids, segment_ids]
+        specs += [PartitionSpec(q_spec[0], q_spec[1]), PartitionSpec(q_spec[0], None)]
+    if sinks is not None:
+        args.append(sinks)
+        specs.append(PartitionSpec(q_spec[2]))
+
+    def device(i: int):
+        def run(ql, kf, vf, *rest):
+            seg_q, seg_kv = (rest[0], rest[1]) if segment_ids is not None else (None, None)
+            sk = rest[-1] if sinks is not None else None
+            outs, at = [], 0
+            for start, n in context_parallel.shard_chunks(t, c, i):
+                extra = {} if sk is None else {"sinks": sk}
+                outs.append(local(
+                    ql[:, at : at + n], kf, vf, None if seg_q is None else seg_q[:, at : at + n],
+                    offset=start, kv_segment_ids=seg_kv, **extra,
+                ))  # fmt: skip
+                at += n
+            return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+        return run
+
+    def body(ql, kf, vf, *rest):
+        if back is not None:  # keys, values and their segment ids in the original order
+            kf, vf = kf.take(back, axis=1), vf.take(back, axis=1)
+            if segment_ids is not None:
+                rest = (rest[0], rest[1].take(back, axis=1), *rest[2:])
+        branches = [device(i) for i in range(c)]
+        return jax.lax.switch(jax.lax.axis_index("context"), branches, ql, kf, vf, *rest)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)
+    return fn(*args)
+
+
 def splash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -396,6 +493,8 @@ def splash_attention(
 ) -> jax.Array:
     """Splash attention; inside `jax.shard_map` over the current mesh when there is one."""
     local = functools.partial(_splash_local, interpret=interpret, scale=scale, window=window)
+    if sharding.context_size() > 1:
+        return _splash_context(q, k, v, segment_ids, sinks, local)
     return per_shard(local, q, k, v, segment_ids, sinks)
 
 

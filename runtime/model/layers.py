@@ -16,7 +16,7 @@ from jax import lax
 
 from jobspec.families.model_config import ModelConfig
 from runtime.model.attention import SPLASH_RESIDUALS
-from runtime.model.sharding import constrain
+from runtime.model.sharding import constrain, context_size
 
 #: Logical names of the activations model code pins with `constrain` (one per dimension): the
 #: residual stream, attention q / k,v per head, the MLP hidden, MoE per-expert hiddens, logits.
@@ -117,7 +117,13 @@ class Embed(nnx.Module):
         self.compute_dtype = dtype_of(cfg.compute_dtype)
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], inputs, axis=0).astype(self.compute_dtype)
+        table = self.embedding[...]
+        if context_size() > 1:
+            # Rows gathered from a table split along embed come out split along embed, which
+            # the partitioner cannot move to [batch, length] shards but by replicating them:
+            # gather the (compute-dtype) table instead, as FSDP gathers every weight.
+            table = constrain(table.astype(self.compute_dtype), ("vocab", None))
+        return jnp.take(table, inputs, axis=0).astype(self.compute_dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -168,7 +168,9 @@ def sparse_experts(
         )  # fmt: skip
         return y.reshape(b, t, d), dropped[0]
 
-    batch_axes = tuple(a for a in LOGICAL_RULES["batch"] if mesh.shape[a] > 1)
+    # Token rows [B*T] split over the batch axes and, inside each row, `context` (B-major, as
+    # the activation [B, T, D] is laid out): each device routes the tokens it holds.
+    batch_axes = tuple(a for a in (*LOGICAL_RULES["batch"], "context") if mesh.shape[a] > 1)
     shards = math.prod(mesh.shape[a] for a in batch_axes)
     pad = -n % shards
     if pad:  # padding rows choose expert E: they sort last and are never sent

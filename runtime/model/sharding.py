@@ -3,9 +3,11 @@
 Model code names only logical axes (parameters: vocab, embed, heads, kv_heads, mlp, norm,
 expert, and `layers`, the leading axis of parameters stacked for `model.scan_layers`;
 activations also batch and length); this module alone knows mesh axes. FSDP shards
-parameters (and so optimizer state) over `fsdp` along `embed`; TP shards heads, MLP hidden and
-vocab over `tensor`; MoE experts shard over `expert`; the batch is split over `slice` x `data` x
-`expert` x `fsdp` (outside the MoE blocks the expert axis is one more data-parallel axis).
+parameters (and so optimizer state) over `fsdp` x `context` along `embed`; TP shards heads, MLP
+hidden and vocab over `tensor`; MoE experts shard over `expert`; the batch is split over `slice`
+x `data` x `expert` x `fsdp` (outside the MoE blocks the expert axis is one more data-parallel
+axis), and each sequence's length over `context` (context parallelism: attention gathers the
+keys and values over it, runtime/model/attention.py).
 
 One table serves parameters and activations: a mesh axis is used once per array, by the first
 dimension that claims it, so an activation [batch, length, embed] puts `fsdp` on the batch
@@ -31,13 +33,17 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jobspec.errors import ConfigError
 from jobspec.run_config import MeshConfig
 
-MESH_AXES = ("slice", "data", "expert", "fsdp", "tensor")
+# `context` beside `tensor`, innermost but one: both exchange activations every layer, so they
+# get the devices nearest each other.
+MESH_AXES = ("slice", "data", "expert", "fsdp", "context", "tensor")
 
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("slice", "data", "expert", "fsdp"),
-    "length": None,
+    "length": "context",
     "vocab": "tensor",
-    "embed": "fsdp",
+    # Parameters shard over the context devices too (as over fsdp's): each holds a part of every
+    # layer, gathered when it runs; an activation's embed finds both axes taken by batch, length.
+    "embed": ("fsdp", "context"),
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
@@ -54,11 +60,10 @@ def build_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     if cfg.size != len(devices):
         raise ConfigError(
-            f"mesh.slices x mesh.data x mesh.expert x mesh.fsdp x mesh.tensor = {cfg.slices} x "
-            f"{cfg.data} x {cfg.expert} x {cfg.fsdp} x {cfg.tensor} = {cfg.size}, but this job has "
-            f"{len(devices)} device(s); make the product equal the device count"
+            f"{cfg.product()}, but this job has {len(devices)} device(s); make the product "
+            "equal the device count"
         )
-    per_slice = (cfg.data, cfg.expert, cfg.fsdp, cfg.tensor)
+    per_slice = (cfg.data, cfg.expert, cfg.fsdp, cfg.context, cfg.tensor)
     # Auto axes: shardings are constraints for the compiler (GSPMD), not part of array types,
     # so model code stays free of mesh axes.
     auto = (AxisType.Auto,) * len(MESH_AXES)
@@ -87,7 +92,7 @@ def _slice_grid(cfg: MeshConfig, devices: list, per_slice: tuple[int, ...]) -> n
     know their slice, else whole hosts grouped in process order."""
     if all(hasattr(d, "slice_index") for d in devices):
         return mesh_utils.create_hybrid_device_mesh(
-            per_slice, (cfg.slices, 1, 1, 1), devices=devices
+            per_slice, (cfg.slices, 1, 1, 1, 1), devices=devices
         ).reshape((cfg.slices, *per_slice))
     procs = sorted({d.process_index for d in devices})
     if len(procs) % cfg.slices:
@@ -123,6 +128,9 @@ def mesh_spec(
         group = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
         # Size-1 mesh axes shard nothing; dropping them keeps specs short and comparable.
         group = tuple(a for a in group if a not in used and mesh.shape[a] > 1)
+        if "context" in group and dim % _axis_size(mesh, group):
+            # A parameter dim fsdp divides but fsdp x context does not: fsdp alone.
+            group = tuple(a for a in group if a != "context")
         if group and dim % _axis_size(mesh, group) == 0:
             used.update(group)
             out.append(group[0] if len(group) == 1 else group)
@@ -184,6 +192,12 @@ def target_platform() -> str:
     return backend
 
 
+def context_size() -> int:
+    """The current mesh's `context` axis (1 without a mesh)."""
+    mesh = _ACTIVATION_MESH.get()
+    return 1 if mesh is None else int(mesh.shape["context"])
+
+
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """x with a sharding constraint from its logical axis names (one per dimension)."""
     mesh = _ACTIVATION_MESH.get()
@@ -195,11 +209,39 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 
 
 def batch_sharding(mesh: Mesh, ndim: int, leading: int = 0) -> NamedSharding:
-    """Rows split over the batch axes (slice x data x expert x fsdp, LOGICAL_RULES["batch"]); `leading`
-    unsharded dims (e.g. the microbatch axis) before them."""
-    spec = [None] * leading + [LOGICAL_RULES["batch"]] + [None] * (ndim - leading - 1)
+    """Rows split over the batch axes (slice x data x expert x fsdp, LOGICAL_RULES["batch"]), and
+    the dim after them (the sequence) over `context`; `leading` unsharded dims (e.g. the
+    microbatch axis) before them."""
+    rest = ["context" if mesh.shape["context"] > 1 else None] + [None] * (ndim - leading - 2)
+    spec = [None] * leading + [LOGICAL_RULES["batch"]] + rest[: ndim - leading - 1]
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def host_block(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """The part of a global array of `shape` this process's devices hold under `sharding`: one
+    slice per dim, the union of its devices' shards (a box for every mesh built here: checked).
+    With `context` across hosts, two hosts hold the same rows, each a part of the sequence."""
+    boxes = {
+        tuple((range(n)[sl][0], range(n)[sl][-1]) for sl, n in zip(idx, shape, strict=True))
+        for idx in sharding.addressable_devices_indices_map(shape).values()
+    }
+    lo = [min(b[d][0] for b in boxes) for d in range(len(shape))]
+    hi = [max(b[d][1] for b in boxes) + 1 for d in range(len(shape))]
+    if math.prod(h - low for low, h in zip(lo, hi, strict=True)) != sum(
+        math.prod(e - a + 1 for a, e in b) for b in boxes
+    ):
+        raise ValueError(f"this process's shards of {shape} under {sharding.spec} are not one box")
+    return tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
+
+
+def host_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[int, int, slice]:
+    """For a batch [accum, rows, seq] under `sharding`: (which block of rows this process reads,
+    how many blocks the rows make, its part of the sequence). Processes that share rows (a
+    `context` axis across hosts) read the same block and keep different parts of it."""
+    box = host_block(sharding, shape)
+    rows = box[1].stop - box[1].start
+    return box[1].start // rows, shape[1] // rows, box[2]

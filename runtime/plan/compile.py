@@ -205,6 +205,7 @@ def _setup(
             "data": cfg.mesh.data,
             "expert": cfg.mesh.expert,
             "fsdp": cfg.mesh.fsdp,
+            "context": cfg.mesh.context,
             "tensor": cfg.mesh.tensor,
         },  # fmt: skip
         "device_kind": devices[0].device_kind,

@@ -171,7 +171,7 @@ def check_mesh(mesh_size: int, mesh_slices: int, target: Target) -> None:
     """The run's mesh must use exactly the target's devices, and its slices."""
     if mesh_size != target.device_count:
         raise ConfigError(
-            f"mesh.fsdp: slices x data x expert x fsdp x tensor = {mesh_size} devices, but {target.accelerator}"
+            f"mesh.fsdp: slices x data x expert x fsdp x context x tensor = {mesh_size} devices, but {target.accelerator}"
             f" x {target.hosts} host(s) x {target.slices} slice(s) has {target.device_count} "
             f"({target.chips_per_host} per host); make the mesh product {target.device_count} "
             "(e.g. with --set mesh.fsdp=N)"

@@ -20,7 +20,11 @@ from runtime.data.mixture import manifests_of
 _MODEL_FREE = {"remat", "attention", "moe_dispatch", "moe_capacity_factor"}
 # Keys added after checkpoints were first written, with the value an older checkpoint implies;
 # an added key whose value is None (an optional setting or section left unset) needs no entry.
-_INTRODUCED = {"model.scan_layers": False, "topology.mesh.expert": 1}
+_INTRODUCED = {
+    "model.scan_layers": False,
+    "topology.mesh.expert": 1,
+    "topology.mesh.context": 1,
+}
 
 
 def _flatten(prefix: str, obj: Any, out: dict[str, Any]) -> None:

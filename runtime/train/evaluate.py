@@ -14,7 +14,7 @@ from jobspec.run_config import RunConfig
 from jobspec.run_dir import EvalRow, EventKind, now
 from runtime.data.loader import TokenBatches, eval_loader
 from runtime.data.mixture import Mixture
-from runtime.model.sharding import batch_sharding, on_mesh, replicated
+from runtime.model.sharding import batch_sharding, host_rows, on_mesh, replicated
 from runtime.run.artifacts import RunArtifacts
 from runtime.train.metrics import eval_line
 from runtime.train.step import make_eval_step
@@ -25,6 +25,8 @@ class Evaluator:
         self.cfg, self.manifest, self.mesh = cfg, manifest, mesh
         self.others = parts.others
         self.b_sh = batch_sharding(mesh, 3, leading=1)
+        t = cfg.training
+        self.rows = host_rows(self.b_sh, (1, t.global_batch_size, t.seq_len))
         rep = replicated(mesh)
         self.sources = list(manifest.names) if isinstance(manifest, Mixture) else []
         t = cfg.training
@@ -46,8 +48,8 @@ class Evaluator:
                 split,
                 t.seq_len,
                 t.global_batch_size,
-                process_index=jax.process_index(),
-                process_count=jax.process_count(),
+                process_index=self.rows[0],
+                process_count=self.rows[1],
                 prefetch=self.cfg.data.prefetch,
             )
         return self._loaders[split]
@@ -64,7 +66,9 @@ class Evaluator:
         with self._loader(split).iterate(0, num_batches) as batches:
             for item in batches:
                 batch = {
-                    k: jax.make_array_from_process_local_data(self.b_sh, v, shape)
+                    k: jax.make_array_from_process_local_data(
+                        self.b_sh, v[..., self.rows[2]], shape
+                    )
                     for k, v in item.batch.items()
                 }
                 sums.append(self.step_fn(params, others, batch))

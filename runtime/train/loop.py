@@ -29,7 +29,7 @@ from runtime.host import boot, compile_cache, host_memory, startup
 from runtime.host.coordination import HostWatchdog, StopAgreement
 from runtime.host.stop_guard import StopGuard
 from runtime.model.build import build_model
-from runtime.model.sharding import batch_sharding, build_mesh
+from runtime.model.sharding import batch_sharding, build_mesh, host_rows
 from runtime.observe import ledger as buckets
 from runtime.observe.ledger import TimeLedger
 from runtime.observe.profile import ProfileWindow
@@ -80,6 +80,7 @@ class Run:
     fingerprint: dict
     batch_sharding: Any
     global_shape: tuple[int, int, int]
+    seq_part: slice  # this process's part of each sequence (all of it unless context spans hosts)
     ledger: TimeLedger
     profile: ProfileWindow
     say: StartupLog
@@ -129,10 +130,10 @@ def _prepare(
     tx, schedule = build_optimizer(cfg.optimizer, init.decay_steps)
     t = cfg.training
     say("opening the data loader")
-    batches = train_batches(
-        manifest, cfg.data, t, cfg.run.seed, jax.process_index(), jax.process_count()
-    )
     b_sh = batch_sharding(mesh, 3, leading=1)
+    global_shape = (t.gradient_accumulation_steps, t.global_batch_size, t.seq_len)
+    row_block, row_blocks, seq_part = host_rows(b_sh, global_shape)
+    batches = train_batches(manifest, cfg.data, t, cfg.run.seed, row_block, row_blocks)
     step_fn = ahead.bind(
         train_program(cfg, parts, tx, schedule, init.shardings, mesh), init.decay_steps
     )
@@ -155,8 +156,7 @@ def _prepare(
         cfg=cfg, store=store, ckpt=ckpt, art=art, metrics=metrics, batches=batches,
         evaluator=Evaluator(cfg, manifest, parts, mesh), step_fn=step_fn, state=init.state,
         start_step=init.step, data_state=init.data_state, decay_steps=init.decay_steps,
-        fingerprint=fp, batch_sharding=b_sh,
-        global_shape=(t.gradient_accumulation_steps, t.global_batch_size, t.seq_len),
+        fingerprint=fp, batch_sharding=b_sh, global_shape=global_shape, seq_part=seq_part,
         ledger=ledger, profile=ProfileWindow(cfg.profile, store, init.step), say=say,
         step=init.step, host_copy_bytes=_host_copy_bytes(init.state), restore=init.restore,
     )  # fmt: skip
@@ -370,7 +370,9 @@ def _step(run: Run, it: Iterator, emit, t_start: float) -> tuple[Any, dict]:
     ledger.switch(buckets.DATA_WAIT)
     item = next(it)
     batch = {
-        k: jax.make_array_from_process_local_data(run.batch_sharding, v, run.global_shape)
+        k: jax.make_array_from_process_local_data(
+            run.batch_sharding, v[..., run.seq_part], run.global_shape
+        )
         for k, v in item.batch.items()
     }
     step = run.step + 1

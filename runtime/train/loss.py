@@ -11,7 +11,7 @@ import optax
 
 from runtime.model.layers import constrain_logits
 from runtime.model.layers import softcap as apply_softcap
-from runtime.model.sharding import constrain
+from runtime.model.sharding import constrain, current_mesh
 
 
 def cross_entropy_sums(
@@ -229,9 +229,42 @@ def hidden_group_sums(
 FUSED_CROSS_ENTROPY = True
 
 
-def _split_chunks(x: jax.Array, chunk_size: int) -> tuple[jax.Array, jax.Array]:
-    """[B, T, ...] -> ([n, B, chunk, ...] of the first n * chunk positions, the rest [B, r, ...])."""
+def _context_chunk(t: int, chunk_size: int) -> tuple[int, int]:
+    """(C, c): with the sequence split over C = mesh.context > 1 devices, each chunk takes c
+    positions from every device's part (c the largest divisor of T / C up to chunk_size / C),
+    so a chunk is C x c positions that stay where they are; (1, chunk_size) otherwise."""
+    mesh = current_mesh()
+    shards = 1 if mesh is None else int(mesh.shape["context"])
+    if shards == 1 or t % shards:
+        return 1, chunk_size
+    part = t // shards
+    c = max(d for d in range(1, max(1, chunk_size // shards) + 1) if part % d == 0)
+    return shards, c
+
+
+def _to_chunks(x: jax.Array, shards: int, c: int) -> jax.Array:
+    """[B, T, ...] -> [n, B, shards * c, ...]: chunk i holds positions i*c..i*c+c-1 of each of
+    the `shards` parts of the sequence (T = shards * n * c); the parts never move."""
     b, t = x.shape[:2]
+    n = t // (shards * c)
+    x = jnp.moveaxis(x.reshape(b, shards, n, c, *x.shape[2:]), 2, 0)
+    return x.reshape(n, b, shards * c, *x.shape[4:])
+
+
+def _from_chunks(xs: jax.Array, shards: int) -> jax.Array:
+    """The inverse of `_to_chunks`: [n, B, shards * c, ...] -> [B, T, ...]."""
+    n, b, sc = xs.shape[:3]
+    x = jnp.moveaxis(xs.reshape(n, b, shards, sc // shards, *xs.shape[3:]), 0, 2)
+    return x.reshape(b, n * sc, *xs.shape[3:])
+
+
+def _split_chunks(x: jax.Array, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+    """[B, T, ...] -> ([n, B, chunk, ...] of the first n * chunk positions, the rest [B, r, ...]);
+    under `mesh.context` > 1, chunks of `_context_chunk` and no rest."""
+    b, t = x.shape[:2]
+    shards, c = _context_chunk(t, chunk_size)
+    if shards > 1:
+        return _to_chunks(x, shards, c), x[:, t:]
     n = t // chunk_size
     full = n * chunk_size
     head = jnp.moveaxis(x[:, :full].reshape(b, n, chunk_size, *x.shape[2:]), 1, 0)
@@ -309,8 +342,11 @@ def _fused_ce_forward(
     zero = jnp.zeros((), jnp.float32)
     dw0 = jnp.zeros(kernel.shape, jnp.float32)
     (loss, count, dw), dhs = jax.lax.scan(body, (zero, zero, dw0), (hs, ts, ms))
-    b, n, c = h.shape[0], hs.shape[0], chunk_size
-    dh = jnp.moveaxis(dhs, 0, 1).reshape(b, n * c, h.shape[-1])
+    shards = _context_chunk(h.shape[1], chunk_size)[0]
+    if shards > 1:
+        dh = _from_chunks(dhs, shards)
+    else:
+        dh = jnp.moveaxis(dhs, 0, 1).reshape(h.shape[0], hs.shape[0] * chunk_size, h.shape[-1])
     if h_rest.shape[1]:
         l_r, n_r, dh_r, dw_r = _ce_chunk_grads(
             h_rest, kernel, t_rest, m_rest, softcap, logits_dtype
@@ -380,12 +416,10 @@ def _chunked_sums(
         return sums(head_logits(hc, w.astype(dtype), logits_dtype), tc)
 
     w = kernel.astype(jnp.promote_types(dtype, jnp.float32))
-    n = t // chunk_size
-    full = n * chunk_size
+    full = t - _split_chunks(h, chunk_size)[1].shape[1]
 
     def split(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [n, B, chunk, ...]
-        x = x[:, :full].reshape(b, n, chunk_size, *x.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
+        return _split_chunks(x, chunk_size)[0]
 
     def body(acc: tuple, xs: tuple) -> tuple[tuple, None]:
         return tuple(a + s for a, s in zip(acc, chunk(w, *xs), strict=True)), None

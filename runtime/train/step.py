@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from runtime.model import context_parallel
 from runtime.model.moe import load_max_over_mean, update_router_bias
 from runtime.train.loss import hidden_group_sums, hidden_loss_sums
 from runtime.train.state import TrainState
@@ -55,21 +56,23 @@ def _loss_sums(
     The loss is taken from the final hidden states and the head kernel `loss_chunk_size`
     positions at a time (train/loss.py `hidden_loss_sums`); 0 = the whole sequence at once."""
     model = nnx.merge(graphdef, params, *others)
-    h, loads = model.forward_hidden(mb["inputs"], mb["positions"], mb["segment_ids"])
     pg = objective == "clipped_pg"
-    loss_sum, count, clipped = hidden_loss_sums(
-        h,
-        model.head_kernel(),
-        mb["targets"],
-        mb["loss_mask"],
-        chunk_size=loss_chunk_size,
-        objective=objective,
-        advantages=mb["advantages"] if pg else None,
-        old_logprobs=mb["old_logprobs"] if pg else None,
-        clip_eps=pg_clip_epsilon,
-        softcap=model.logit_softcap,
-        logits_dtype=logits_dtype,
-    )
+    # Under mesh.context > 1, the sequence in the balanced layout (the sums do not depend on it).
+    with context_parallel.balanced(mb) as mb:
+        h, loads = model.forward_hidden(mb["inputs"], mb["positions"], mb["segment_ids"])
+        loss_sum, count, clipped = hidden_loss_sums(
+            h,
+            model.head_kernel(),
+            mb["targets"],
+            mb["loss_mask"],
+            chunk_size=loss_chunk_size,
+            objective=objective,
+            advantages=mb["advantages"] if pg else None,
+            old_logprobs=mb["old_logprobs"] if pg else None,
+            clip_eps=pg_clip_epsilon,
+            softcap=model.logit_softcap,
+            logits_dtype=logits_dtype,
+        )
     return (loss_sum, (count, clipped, loads)) if with_loads else (loss_sum, count)
 
 
@@ -253,18 +256,19 @@ def _grouped_eval_step(
     def eval_step(params: Any, others: tuple, batch: Batch) -> dict[str, jax.Array]:
         def micro(carry, mb):
             model = nnx.merge(graphdef, params, *others)
-            h, _ = model.forward_hidden(mb["inputs"], mb["positions"], mb["segment_ids"])
-            sums = hidden_group_sums(
-                h,
-                model.head_kernel(),
-                mb["targets"],
-                mb["loss_mask"],
-                mb["source"],
-                num_sources,
-                chunk_size=loss_chunk_size,
-                softcap=model.logit_softcap,
-                logits_dtype=logits_dtype,
-            )
+            with context_parallel.balanced(mb) as mb:
+                h, _ = model.forward_hidden(mb["inputs"], mb["positions"], mb["segment_ids"])
+                sums = hidden_group_sums(
+                    h,
+                    model.head_kernel(),
+                    mb["targets"],
+                    mb["loss_mask"],
+                    mb["source"],
+                    num_sources,
+                    chunk_size=loss_chunk_size,
+                    softcap=model.logit_softcap,
+                    logits_dtype=logits_dtype,
+                )
             return tuple(a + s for a, s in zip(carry, sums, strict=True)), None
 
         zero, zeros = jnp.zeros((), jnp.float32), jnp.zeros((num_sources,), jnp.float32)

@@ -48,7 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jobspec.families.model_config import ModelConfig
 from jobspec.families.qwen3_next import Qwen3NextConfig, Qwen3NextModelConfig
-from runtime.model import attention
+from runtime.model import attention, context_parallel
 from runtime.model.decoder import DecoderBase, cache_mask
 from runtime.model.deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from runtime.model.layers import (
@@ -219,7 +219,22 @@ class GatedDeltaNet(nnx.Module):
         cache: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """x [B, T, D] -> (output [B, T, D], the new (conv, recurrent) state when `cache` is
-        given). Training passes no cache: both states start at zero (and reset per document)."""
+        given). Training passes no cache: both states start at zero (and reset per document).
+        A sequence laid out for context parallelism runs in its original order (the conv and
+        the recurrence carry their state from token to token, across the devices' parts)."""
+        if cache is None and context_parallel.sequence_order() is not None:
+            seg = None if segment_ids is None else context_parallel.original(segment_ids)
+            y, _ = self.mix(context_parallel.original(x), seg, None)
+            return context_parallel.laid_out(y), None
+        return self.mix(x, segment_ids, cache)
+
+    def mix(
+        self,
+        x: jax.Array,
+        segment_ids: jax.Array | None,
+        cache: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """`__call__` in the tokens' original order."""
         b, t, _ = x.shape
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         q, k, v, z, beta_in, a = self.project(x)

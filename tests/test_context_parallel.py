@@ -1,0 +1,158 @@
+"""Context parallelism (`mesh.context`): one sequence split over several devices gives the same
+train step as one device, for attention, MoE and Gated DeltaNet layers; the settings it cannot
+take are refused in one sentence; `runtime plan` compiles it for a TPU slice. The multi-host
+proof (a context axis across processes) and resume onto another `mesh.context` are in
+tests/test_multihost.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from mesh_step import same_step_on_meshes
+
+from jobspec.load import parse_run_config
+
+from runs import ROOT, user_env, xla_flags
+
+_TINY = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=16, intermediate_size=96, max_position_embeddings=64)  # fmt: skip
+#: The sparse dispatch: its token rows split over context too (runtime/model/moe_dispatch.py).
+_MOE = {**_TINY, "family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "moe_dispatch": "sparse"}  # fmt: skip
+#: Gated DeltaNet and gated attention layers, the recurrence in chunks of 4 across the shards.
+_NEXT = {**_TINY, "family": "qwen3_next", "num_layers": 4, "hidden_size": 32, "head_dim": 8,
+         "intermediate_size": 48, "qwen3_next": {
+             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+             "linear_value_head_dim": 8, "chunk_size": 4}}  # fmt: skip
+_CASES = [
+    *(("qwen3_moe", _MOE, m) for m in ({}, {"context": 4}, {"expert": 2, "context": 2})),
+    *(("qwen3_next", _NEXT, m) for m in ({}, {"fsdp": 2, "context": 2})),
+]
+
+
+@pytest.mark.slow
+def test_one_train_step_is_the_same_with_the_sequence_split():
+    # 16 tokens a row over 2 or 4 devices: each holds 8 or 4, two documents a row, the loss in
+    # chunks that take positions from every device's part.
+    results = same_step_on_meshes(_CASES)
+    for res in results:
+        where = f"{res['name']} on {res['mesh']}"
+        assert res["grad_max"] > 1e-3, where
+        assert abs(res["loss"] - res["ref_loss"]) < 1e-5, where
+        assert res["grad_err"] < 1e-5, where
+
+
+def _run_config(**over) -> dict:
+    base = {"run": {"id": "t", "output_uri": "/tmp/unused"}, "model": dict(_TINY),
+            "data": {"manifest": "/tmp/unused/manifest.json"},
+            "training": {"seq_len": 16, "global_batch_size": 8, "target_tokens": 1024}}  # fmt: skip
+    for section, keys in over.items():
+        base[section] = {**base.get(section, {}), **keys}
+    return base
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"mesh": {"context": 3}}, "training.seq_len (16) must be a multiple of mesh.context (3)"),
+        ({"mesh": {"context": 2}, "model": {"attention": "cudnn"}},
+         "model.attention = 'cudnn' with mesh.context = 2 is not built yet"),
+    ],
+)  # fmt: skip
+def test_settings_context_cannot_take_are_one_sentence(over, message):
+    with pytest.raises(Exception) as err:
+        parse_run_config(_run_config(**over))
+    assert message in str(err.value)
+
+
+def test_context_splits_activations_and_parameters():
+    cfg = parse_run_config(_run_config(mesh={"context": 2}))
+    assert cfg.mesh.size == 2 and cfg.mesh.batch_shards == 1
+    assert (
+        cfg.mesh.product()
+        == "mesh.slices x mesh.data x mesh.expert x mesh.fsdp x mesh.context x mesh.tensor = 1 x 1 x 1 x 1 x 2 x 1 = 2"
+    )
+
+
+@pytest.mark.slow
+def test_plan_of_context_parallelism_on_a_tpu_slice():
+    # Deviceless: 4 v5p chips, each sequence of 1,024 over 4 of them (in 8 chunks of 128, two a
+    # chip): splash kernels with each chunk's causal offset, keys and values gathered.
+    res = subprocess.run(
+        [sys.executable, "-m", "runtime", "plan", "configs/tiny_plan.toml", "--accelerator",
+         "tpu-v5p-8", "--set", "mesh.context=4", "--set", "training.seq_len=1024",
+         "--set", "training.global_batch_size=2", "--json"],
+        cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = json.loads(res.stdout)
+    assert rep["mesh"]["context"] == 4
+    assert rep["flops"]["uncounted_custom_calls"].get("tpu_custom_call", 0) > 0, rep["flops"]
+    assert rep["collectives"]["by_kind"]["all-gather"]["count"] > 0, rep["collectives"]
+
+
+_SPLASH = textwrap.dedent(
+    """
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jobspec.run_config import MeshConfig
+    from runtime.model import attention, context_parallel
+    from runtime.model.sharding import build_mesh, on_mesh
+
+    def rel(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+    out = []
+    for mesh_keys, t, window, sinks_on, seg_on in json.loads(sys.argv[1]):
+        rng = np.random.default_rng(0)
+        q = rng.normal(size=(2, t, 4, 32)).astype(np.float32)
+        k, v = (rng.normal(size=(2, t, 2, 32)).astype(np.float32) for _ in range(2))
+        w = rng.normal(size=q.shape).astype(np.float32)
+        cut = t // 3 + 5
+        seg = np.asarray([[1] * t, [1] * cut + [2] * (t - cut)], np.int32) if seg_on else None
+        sinks = (rng.normal(size=(4,)) * 2).astype(np.float32) if sinks_on else None
+        argnums = (0, 1, 2, 3) if sinks_on else (0, 1, 2)
+
+        def ref(q, k, v, s):  # one device, the original order, the einsum path
+            return jnp.sum(attention.attend(q, k, v, seg, impl="xla", window=window, sinks=s) * w)
+
+        def split(q, k, v, s):  # the sequence over mesh.context, in the balanced layout
+            batch = {"inputs": q[..., 0, 0], "q": q, "k": k, "v": v, "w": w, "seg": seg}
+            with context_parallel.balanced({k_: x for k_, x in batch.items() if x is not None}) as b:
+                o = attention.attend(b["q"], b["k"], b["v"], b.get("seg"), impl="splash",
+                                     window=window, sinks=s)
+                return jnp.sum(o * b["w"])
+
+        cfg = MeshConfig(**mesh_keys)
+        mesh = build_mesh(cfg, jax.devices()[: cfg.size])
+        with jax.default_matmul_precision("highest"):
+            want = jax.jit(jax.value_and_grad(ref, argnums=argnums))(q, k, v, sinks)
+            got = jax.jit(on_mesh(jax.value_and_grad(split, argnums=argnums), mesh))(q, k, v, sinks)
+        out.append({"mesh": mesh_keys, "value": rel(got[0], want[0]),
+                    "grads": [rel(a, b) for a, b in zip(got[1], want[1])]})
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_splash_with_the_sequence_split_matches_the_einsum_path():
+    # Pallas interpret mode on CPU: the kernels' chunks (128 tokens, two per device) at their
+    # causal offsets, with a window, sinks, packed documents and heads over tensor.
+    cases = [
+        ({"context": 4}, 1024, 256, True, True),
+        ({"context": 2, "tensor": 2}, 512, None, True, False),
+    ]
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", _SPLASH, json.dumps(cases)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    for res in json.loads(r.stdout.strip().splitlines()[-1]):
+        assert res["value"] < 1e-5 and max(res["grads"]) < 1e-5, res

@@ -48,7 +48,7 @@ def test_fit_picks_a_setting_that_fits_and_writes_an_overlay(
     # seq 128 leaves only the whole-sequence loss; more accumulation of a setting that fits is
     # not compiled.
     splash_only = {(kernel, r) for r in ("attention", "attention_host") if kernel == "splash"}
-    assert {(a, r) for a, r, _, _ in tried} == splash_only | {
+    assert {(a, r) for a, r, *_ in tried} == splash_only | {
         (a, r) for a in (kernel, "xla") for r in ("full", "block", "none")
     }
     more = {a for a in (2, 4, 8, 16) if 16 % a == 0 and (16 // a) % fsdp == 0}
@@ -113,3 +113,34 @@ def test_launch_plan_fit_writes_the_run_beside_the_overlay(tmp_path):
     assert 'include = ["pick.run.toml"]' in out.read_text()
     cfg, _ = load_run_config(str(out), {})
     assert cfg.model.attention == "xla" and cfg.model.hidden_size == 64
+
+
+def test_fit_splits_the_sequence_only_when_nothing_fits_without(monkeypatch, tmp_path):
+    # The search's logic with a stand-in compile: on 4 v5p chips (fsdp 4), only a sequence
+    # split over 4 devices fits. Every context-1 candidate is tried or ruled out first; then
+    # context 2, then 4; the pick's overlay sets mesh.context and mesh.fsdp.
+    from runtime.plan import fit as fit_mod
+
+    seen = []
+
+    def fake_compile(payload):
+        cand = payload[-1]
+        seen.append(cand)
+        fits = cand.context >= 4
+        return {"candidate": cand, "compiled": True, "fits": fits, "peak_bytes": 2**30,
+                "hbm_bytes": 2**36, "headroom": 0.5 if fits else -0.1,
+                "step_seconds": 1.0 + (cand.remat != "full"), "bound": "compute",
+                "compile_seconds": 0.0}  # fmt: skip
+
+    monkeypatch.setattr(fit_mod, "_compile_one", fake_compile)
+    cfg, _ = load_run_config(str(ROOT / "configs/tiny_plan.toml"), {"mesh": {"fsdp": 4}})
+    result = fit_mod.fit(cfg, "tpu-v5p-8", None, 1, jobs=1)
+    contexts = [c.context for c in seen]
+    assert contexts == sorted(contexts) and set(contexts) == {1, 2, 4}, contexts
+    pick = result["pick"]["candidate"]
+    assert (pick.context, pick.fsdp) == (4, 1)
+    text = fit_mod.overlay_toml(pick, 16, str(ROOT / "configs/tiny_plan.toml"),
+                                str(tmp_path / "o.toml"), "tpu-v5p-8", (1, 4))  # fmt: skip
+    (tmp_path / "o.toml").write_text(text)
+    over, _ = load_run_config(str(tmp_path / "o.toml"), {})
+    assert (over.mesh.context, over.mesh.fsdp) == (4, 1)

@@ -156,6 +156,8 @@ def _run_plan(cfg, accelerator: str, hosts: int | None, slices: int, as_json: bo
 def _fit_row(r: dict) -> str:
     c = r["candidate"]
     what = f"{c.attention:6} {c.remat:14} chunk {c.loss_chunk_size:>4} x{c.accumulation:<2}"
+    if c.context > 1:
+        what += f" context {c.context}"
     if r.get("error"):
         return f"  {what}  error: {r['error']}"
     peak = _gib(r.get("peak_bytes"))
@@ -200,7 +202,7 @@ def run_fit(cfg, config_path: str, accelerator: str, hosts, slices: int, as_json
         sys.exit(EXIT_FAILED)
     c = pick["candidate"]
     text = overlay_toml(c, result["sequences_per_step"], config_path, overlay or config_path,
-                        accelerator)  # fmt: skip
+                        accelerator, (cfg.mesh.context, cfg.mesh.fsdp))  # fmt: skip
     if overlay:
         with open(overlay, "w") as f:
             f.write(text)
@@ -211,6 +213,11 @@ def run_fit(cfg, config_path: str, accelerator: str, hosts, slices: int, as_json
     click.echo(
         f"pick: attention {c.attention}, remat {c.remat}, loss_chunk_size {c.loss_chunk_size}, "
         f"gradient_accumulation_steps {c.accumulation}"
+        + (
+            f", mesh.context {c.context} x mesh.fsdp {c.fsdp}"
+            if c.context != cfg.mesh.context
+            else ""
+        )
         + (f" (~{tps:,} tokens/s per chip predicted)" if tps else "")
         + f"; {len(result['tried'])} compiled, {len(result['skipped'])} not compiled (they need "
         f"the memory of one that did not fit), {len(result['not_compiled_slower'])} not compiled "

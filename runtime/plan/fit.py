@@ -10,7 +10,10 @@ for speed and that users otherwise tune by trial and out-of-memory on the real h
 * `training.gradient_accumulation_steps`: 1, 2, 4, ... while each microbatch still splits over
   the batch shards (more steps, less memory);
 * `model.attention`: every kernel that applies to the target's platform (TPU splash and xla,
-  GPU cudnn and xla, CPU xla).
+  GPU cudnn and xla, CPU xla);
+* `mesh.context` (with `mesh.fsdp`): only when nothing fits with the mesh as configured, the
+  sequence split over 2, 4, 8, ... of the fsdp x context devices (less memory for activations,
+  more for the gathered keys and values), each degree searched like the first.
 
 Each candidate is compiled for the target (`runtime.plan.compile.plan`, the step `runtime
 worker` runs), in worker processes where more than one can run at once. A candidate that
@@ -49,6 +52,8 @@ class Candidate:
     remat: str
     loss_chunk_size: int
     accumulation: int
+    context: int = 1
+    fsdp: int = 1
 
     def sets(self) -> dict[str, dict[str, Any]]:
         return {
@@ -57,12 +62,14 @@ class Candidate:
                 "loss_chunk_size": self.loss_chunk_size,
                 "gradient_accumulation_steps": self.accumulation,
             },
+            "mesh": {"context": self.context, "fsdp": self.fsdp},
         }
 
     def needs_at_least(self, other: Candidate) -> bool:
         """Whether this candidate needs at least as much memory as `other`."""
         return (
             self.attention == other.attention
+            and self.context <= other.context
             and REMAT_ORDER.index(self.remat) >= REMAT_ORDER.index(other.remat)
             and _chunk_rank(self.loss_chunk_size) >= _chunk_rank(other.loss_chunk_size)
             and self.accumulation <= other.accumulation
@@ -71,10 +78,11 @@ class Candidate:
     def slower_than(self, other: Candidate) -> bool:
         """Whether this is `other` with more accumulation: smaller microbatches of the same
         program, never faster, so not worth compiling once `other` fits."""
-        return (self.attention, self.remat, self.loss_chunk_size) == (
+        return (self.attention, self.remat, self.loss_chunk_size, self.context) == (
             other.attention,
             other.remat,
             other.loss_chunk_size,
+            other.context,
         ) and self.accumulation > other.accumulation
 
 
@@ -82,9 +90,25 @@ def _chunk_rank(chunk: int) -> int:
     return CHUNK_ORDER.index(chunk) if chunk in CHUNK_ORDER else len(CHUNK_ORDER)
 
 
-def candidates(cfg, kind: str, batch_shards: int) -> list[Candidate]:
+def context_degrees(cfg) -> list[int]:
+    """The `mesh.context` degrees past the configured one that --fit may try: powers of two that
+    divide the fsdp x context devices and split the sequence."""
+    pool, t = cfg.mesh.fsdp * cfg.mesh.context, cfg.training.seq_len
+    out, c = [], 2 * cfg.mesh.context
+    while pool % c == 0 and t % c == 0:
+        out.append(c)
+        c *= 2
+    return out
+
+
+def candidates(cfg, kind: str, batch_shards: int, context: int | None = None) -> list[Candidate]:
     """Every candidate for cfg on a target of `kind`, least memory first within each
-    accumulation level (smallest accumulation first: the fastest when it fits)."""
+    accumulation level (smallest accumulation first: the fastest when it fits); with `context`,
+    the sequence split over that many of the fsdp x context devices."""
+    pool = cfg.mesh.fsdp * cfg.mesh.context
+    context = context or cfg.mesh.context
+    fsdp = pool // context
+    batch_shards = batch_shards // cfg.mesh.fsdp * fsdp
     t = cfg.training
     chunks = [c for c in CHUNK_ORDER if c < t.seq_len] or [0]
     total = sequences_per_step(cfg)
@@ -103,7 +127,7 @@ def candidates(cfg, kind: str, batch_shards: int) -> list[Candidate]:
         for attention in ATTENTION[kind]:
             for remat in _remats(attention):
                 for chunk in chunks:
-                    out.append(Candidate(attention, remat, chunk, acc))
+                    out.append(Candidate(attention, remat, chunk, acc, context, fsdp))
     return out
 
 
@@ -246,6 +270,8 @@ def fit(
     check_mesh(cfg.mesh.size, cfg.mesh.slices, target)
     batch_shards = cfg.mesh.slices * cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.expert
     pending = candidates(cfg, target.kind, batch_shards)
+    # More context only when nothing fits with the mesh as configured.
+    more_context = [candidates(cfg, target.kind, batch_shards, c) for c in context_degrees(cfg)]
     tokens_per_step = cfg.training.tokens_per_step
     search = _Search()
     # Without a step time (cpu) the first candidate that compiles is the pick: one at a time.
@@ -253,7 +279,9 @@ def fit(
     workers = _workers(jobs) if ranked else 1
     pool = _pool(workers)
     try:
-        while pending:
+        while pending or (more_context and search.pick() is None):
+            if not pending:
+                pending = more_context.pop(0)
             if not ranked and search.pick() is not None:
                 search.unranked, pending = pending, []
                 break
@@ -287,11 +315,23 @@ def fit(
 
 
 def overlay_toml(
-    pick: Candidate, sequences: int, config_path: str, overlay_path: str, accelerator: str
+    pick: Candidate,
+    sequences: int,
+    config_path: str,
+    overlay_path: str,
+    accelerator: str,
+    mesh_as_configured: tuple[int, int] = (1, 1),
 ) -> str:
-    """A run config that is CONFIG with the picked settings: `runtime local OVERLAY` trains it."""
+    """A run config that is CONFIG with the picked settings: `runtime local OVERLAY` trains it
+    (a [mesh] table too when the pick split the sequence differently from CONFIG's
+    `mesh_as_configured` (context, fsdp))."""
     rel = os.path.relpath(
         os.path.abspath(config_path), os.path.dirname(os.path.abspath(overlay_path))
+    )
+    mesh = (
+        f"\n[mesh]\ncontext = {pick.context}\nfsdp = {pick.fsdp}\n"
+        if (pick.context, pick.fsdp) != mesh_as_configured
+        else ""
     )
     return (
         f"# runtime plan --fit for {accelerator}: the settings that fit and train fastest\n"
@@ -299,5 +339,5 @@ def overlay_toml(
         f"[model]\nattention = {pick.attention!r}\nremat = {pick.remat!r}\n\n"
         f"[training]\nglobal_batch_size = {sequences // pick.accumulation}\n"
         f"gradient_accumulation_steps = {pick.accumulation}\n"
-        f"loss_chunk_size = {pick.loss_chunk_size}\n"
+        f"loss_chunk_size = {pick.loss_chunk_size}\n{mesh}"
     ).replace("'", '"')

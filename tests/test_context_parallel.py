@@ -30,8 +30,8 @@ _NEXT = {**_TINY, "family": "qwen3_next", "num_layers": 4, "hidden_size": 32, "h
              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
              "linear_value_head_dim": 8, "chunk_size": 4}}  # fmt: skip
 _CASES = [
-    *(("qwen3_moe", _MOE, m) for m in ({}, {"context": 4}, {"expert": 2, "context": 2})),
-    *(("qwen3_next", _NEXT, m) for m in ({}, {"fsdp": 2, "context": 2})),
+    *(("qwen3_moe", _MOE, m) for m in ({}, {"expert": 2, "context": 2})),
+    *(("qwen3_next", _NEXT, m) for m in ({}, {"fsdp": 2, "context": 2}, {"context": 4})),
 ]
 
 
@@ -109,7 +109,7 @@ _SPLASH = textwrap.dedent(
         return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
     out = []
-    for mesh_keys, t, window, sinks_on, seg_on in json.loads(sys.argv[1]):
+    for mesh_keys, t, window, sinks_on, seg_on, impl in json.loads(sys.argv[1]):
         rng = np.random.default_rng(0)
         q = rng.normal(size=(2, t, 4, 32)).astype(np.float32)
         k, v = (rng.normal(size=(2, t, 2, 32)).astype(np.float32) for _ in range(2))
@@ -125,7 +125,7 @@ _SPLASH = textwrap.dedent(
         def split(q, k, v, s):  # the sequence over mesh.context, in the balanced layout
             batch = {"inputs": q[..., 0, 0], "q": q, "k": k, "v": v, "w": w, "seg": seg}
             with context_parallel.balanced({k_: x for k_, x in batch.items() if x is not None}) as b:
-                o = attention.attend(b["q"], b["k"], b["v"], b.get("seg"), impl="splash",
+                o = attention.attend(b["q"], b["k"], b["v"], b.get("seg"), impl=impl,
                                      window=window, sinks=s)
                 return jnp.sum(o * b["w"])
 
@@ -134,7 +134,7 @@ _SPLASH = textwrap.dedent(
         with jax.default_matmul_precision("highest"):
             want = jax.jit(jax.value_and_grad(ref, argnums=argnums))(q, k, v, sinks)
             got = jax.jit(on_mesh(jax.value_and_grad(split, argnums=argnums), mesh))(q, k, v, sinks)
-        out.append({"mesh": mesh_keys, "value": rel(got[0], want[0]),
+        out.append({"mesh": mesh_keys, "impl": impl, "value": rel(got[0], want[0]),
                     "grads": [rel(a, b) for a, b in zip(got[1], want[1])]})
     print(json.dumps(out))
     """
@@ -142,17 +142,47 @@ _SPLASH = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_splash_with_the_sequence_split_matches_the_einsum_path():
-    # Pallas interpret mode on CPU: the kernels' chunks (128 tokens, two per device) at their
-    # causal offsets, with a window, sinks, packed documents and heads over tensor.
-    cases = [
-        ({"context": 4}, 1024, 256, True, True),
-        ({"context": 2, "tensor": 2}, 512, None, True, False),
-    ]
-    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu",
+def test_attention_with_the_sequence_split_matches_one_device():
+    # splash in Pallas interpret mode on CPU: the kernels' chunks (128 tokens, two per device)
+    # at their causal offsets, with a window, sinks, packed documents and heads over tensor;
+    # xla at 4,096 tokens: the keys a block at a time (attention_blockwise.py), as on GPUs.
+    cases = [({"context": 4, "tensor": 2}, 1024, 256, True, True, "splash"),
+             ({"context": 4}, 4096, None, True, True, "xla")]  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     r = subprocess.run([sys.executable, "-c", _SPLASH, json.dumps(cases)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     for res in json.loads(r.stdout.strip().splitlines()[-1]):
         assert res["value"] < 1e-5 and max(res["grads"]) < 1e-5, res
+
+
+def test_blockwise_attention_is_the_einsum_path():
+    # What the einsum path runs under mesh.context from BLOCKWISE_FROM tokens: the keys 64 at
+    # a time, its own backward pass from the log-sum-exp; values and gradients (sinks too).
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from runtime.model import attention
+    from runtime.model.attention_blockwise import blockwise_attention
+
+    rng = np.random.default_rng(0)
+    q, w = (jnp.asarray(rng.normal(size=(2, 256, 4, 16)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.normal(size=(2, 256, 2, 16)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray([[1] * 256, [1] * 100 + [2] * 156], jnp.int32)
+    sinks = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+    idx = jnp.arange(256)
+
+    def ref(q, k, v, s):
+        return jnp.sum(attention.xla_attention(q, k, v, seg, None, 64, s) * w)
+
+    def got(q, k, v, s):
+        return jnp.sum(blockwise_attention(q, k, v, idx, idx, seg, seg, 0.25, 64, s, 64) * w)
+
+    with jax.default_matmul_precision("highest"):
+        want = jax.value_and_grad(ref, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+        have = jax.value_and_grad(got, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    assert abs(float(have[0] - want[0])) <= 1e-5 * abs(float(want[0]))
+    for a, b in zip(have[1], want[1], strict=True):
+        assert float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) < 1e-5

@@ -57,6 +57,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from runtime.model import context_parallel, sharding
+from runtime.model.attention_blockwise import blockwise_attention
 
 IMPLS = ("auto", "xla", "cudnn", "splash")
 
@@ -165,13 +166,27 @@ def xla_attention(
 ) -> jax.Array:
     """The reference: scores for every (query, key) pair, masked, softmaxed. Under a mesh with
     `context` > 1 each device holds a part of the queries and gathers every key and value (the
-    queries' part of the T x T scores per device: no work idles, since none is skipped)."""
-    mask = causal_mask(q.shape[1], segment_ids, window)
+    queries' part of the T x T scores per device: no work idles, since none is skipped), from
+    BLOCKWISE_FROM tokens on a key block at a time."""
+    t = q.shape[1]
     if sharding.context_size() > 1:
         k = sharding.constrain(k, ("batch", None, "kv_heads", None))
         v = sharding.constrain(v, ("batch", None, "kv_heads", None))
-        mask = sharding.constrain(mask, ("batch", "length", None))
-    return masked_attention(q, k, v, mask, scale, sinks)
+        if t >= BLOCKWISE_FROM:  # a device's queries against every key, a block at a time
+            order = context_parallel.sequence_order()
+            idx = jnp.arange(t) if order is None else jnp.asarray(order)
+            scale = q.shape[-1] ** -0.5 if scale is None else scale
+            return blockwise_attention(
+                q, k, v, idx, idx, segment_ids, segment_ids, scale, window, sinks
+            ).astype(q.dtype)
+        mask = sharding.constrain(causal_mask(t, segment_ids, window), ("batch", "length", None))
+        return masked_attention(q, k, v, mask, scale, sinks)
+    return masked_attention(q, k, v, causal_mask(t, segment_ids, window), scale, sinks)
+
+
+#: Under mesh.context > 1 the einsum path takes the keys a block at a time from this sequence
+#: length on (runtime/model/attention_blockwise.py): the same numbers without [T/C, T] scores.
+BLOCKWISE_FROM = 4096
 
 
 # --- platform ---------------------------------------------------------------------------------

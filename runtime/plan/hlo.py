@@ -3,7 +3,8 @@
 Backend-neutral: the same reader serves TPU, GPU and CPU programs. Every computation is weighted
 by how many times one run of the entry computation executes it: a `while` body by its trip count
 (XLA's `known_trip_count`, else the constant its condition compares the counter with), fusions,
-calls, async wrappers and conditional branches once per execution of their caller. So a
+calls and async wrappers once per execution of their caller, and each of a conditional's n
+branches 1/n times (it runs one; weights may be fractional). So a
 scanned layer stack counts every layer, which `compiled.cost_analysis()` does not on TPU (it
 counts a loop body once) and cannot on GPU (it returns None).
 
@@ -19,6 +20,7 @@ import math
 import re
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -226,10 +228,10 @@ class Module:
                             return int(k.operands[0])
         return None
 
-    def weights(self) -> tuple[dict[str, int], dict[str, str], int]:
+    def weights(self) -> tuple[dict[str, float], dict[str, str], int]:
         """(executions of each computation per run, how each is called, loops of unknown trip
         count, counted once)."""
-        edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        edges: dict[str, list[tuple[str, float]]] = defaultdict(list)
         how: dict[str, str] = {}
         unknown = 0
         for comp in self.computations.values():
@@ -245,16 +247,19 @@ class Module:
                 for kind, callee in _CALL_ATTR.findall(ins.attrs):
                     edges[comp.name].append((callee, trips if kind == "body" else 1))
                     how.setdefault(callee, "fusion" if ins.opcode == "fusion" else kind)
-                for _, names in _CALL_LIST.findall(ins.attrs):
-                    for callee in (n.strip().lstrip("%") for n in names.split(",")):
-                        if callee:
-                            edges[comp.name].append((callee, 1))
-                            how.setdefault(callee, "call")
+                for kind, names in _CALL_LIST.findall(ins.attrs):
+                    callees = [n.strip().lstrip("%") for n in names.split(",") if n.strip()]
+                    # A conditional runs one of its branches: each counts as its share (the
+                    # branches of a context-parallel switch are the devices' equal parts).
+                    share = 1 / len(callees) if kind == "branch_computations" else 1
+                    for callee in callees:
+                        edges[comp.name].append((callee, share))
+                        how.setdefault(callee, "call")
         indeg: dict[str, int] = defaultdict(int)
         for callees in edges.values():
             for c, _ in callees:
                 indeg[c] += 1
-        weight = {name: 0 for name in self.computations}
+        weight: dict[str, float] = {name: 0 for name in self.computations}
         weight[self.entry] = 1
         queue = deque(n for n in self.computations if indeg[n] == 0)
         while queue:
@@ -511,22 +516,31 @@ class _Tally:
         }
         return {
             "matmul_flops": self.flops,
-            "uncounted_custom_calls": dict(self.unsized),
+            "uncounted_custom_calls": _whole(dict(self.unsized)),
             "loops": self.loops,
             "loops_of_unknown_trip_count": unknown_loops,
-            "collectives": {
-                "total": _total(by_kind),
-                "by_kind": by_kind,
-                "within_slice": self.within,
-                "across_slices": self.across,
-                "unknown_scope": self.unknown_scope,
-                # The MoE dispatch's exchanges (runtime/model/moe_dispatch.py), a part of
-                # all-to-all; bytes are the most rows each can send (dropless: every assignment).
-                "ragged_all_to_all": self.ragged,
-            },
+            "collectives": _whole(
+                {
+                    "total": _total(by_kind),
+                    "by_kind": by_kind,
+                    "within_slice": self.within,
+                    "across_slices": self.across,
+                    "unknown_scope": self.unknown_scope,
+                    # The MoE dispatch's exchanges (runtime/model/moe_dispatch.py), a part of
+                    # all-to-all; bytes are the most rows each can send (dropless: every assignment).
+                    "ragged_all_to_all": self.ragged,
+                }
+            ),
             "largest_buffers": sorted(self.buffers.values(), key=lambda b: -b["bytes"])[:top],
             "all_buffers": list(self.buffers.values()),
         }
+
+
+def _whole(x: Any) -> Any:
+    """Counts and bytes as integers (a conditional's branches weigh fractions of a run)."""
+    if isinstance(x, dict):
+        return {k: _whole(v) for k, v in x.items()}
+    return round(x) if isinstance(x, float) else x
 
 
 def module_of(text: str | Module) -> Module:

@@ -278,7 +278,10 @@ def _splash_flops(comp: hlo.Computation, ins: hlo.Instr, kind: str) -> tuple[flo
     q, k = arrays[first].dims, arrays[first + 1].dims
     grids = [a.dims for a in arrays[:first] if len(a.dims) == 3]
     n = grids[0][1] if grids else 1
-    kept = (n + 1) / (2 * n) if grids and grids[0][1] == grids[0][2] else 1.0
+    # A square grid is a causal sequence; a wide one (q blocks x more kv blocks) is a chunk of
+    # a sequence split by mesh.context: a device's two chunks of the balanced layout keep half
+    # of their blocks between them (runtime/model/context_parallel.py).
+    kept = ((n + 1) / (2 * n) if grids[0][1] == grids[0][2] else 0.5) if grids else 1.0
     rows = math.prod(q[:-1])  # batch x heads x T query rows
     flops = _SPLASH_MATMULS[kind] * 2.0 * rows * k[-2] * q[-1] * kept
     return flops, q[-2] // max(n, 1)
@@ -450,7 +453,11 @@ class _Roofline:
             "matmul_flops_per_chip": self.flops_total,
             "hbm_bytes_per_chip": self.bytes_total,
             "kernels": {
-                k: {"calls": v["calls"], "flops": v["flops"], "seconds": round(v["seconds"], 6)}
+                k: {
+                    "calls": round(v["calls"]),
+                    "flops": v["flops"],
+                    "seconds": round(v["seconds"], 6),
+                }
                 for k, v in sorted(self.kernels.items())
             },
             "chip": {

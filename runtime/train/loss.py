@@ -278,10 +278,13 @@ def _ce_chunk_grads(
     mc: jax.Array,
     softcap: float | None,
     logits_dtype: str = "float32",
+    parts: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One chunk's (loss sum, count, d loss_sum / d hc [B, c, D] in hc's dtype, d loss_sum / d w
     [D, V] float32): the logits are made once and their gradient taken in closed form,
-    softmax(z) - onehot(target) at counted positions (z the soft-capped logits)."""
+    softmax(z) - onehot(target) at counted positions (z the soft-capped logits). With `parts`
+    > 1 (the chunk is that many devices' positions under mesh.context) d w is [parts, D, V],
+    each device's share apart: summed once after the chunks, not reduced in every chunk."""
     hc = constrain(hc, ("batch", "length", "embed"))
     logits = head_logits(hc, w, logits_dtype)  # [B, c, V]
     if logits.dtype != jnp.float32:
@@ -316,7 +319,17 @@ def _ce_chunk_grads(
     # A masked row's hidden state must not reach dW even when it is inf or nan (0 * nan = nan).
     h_counted = jnp.where(counted[..., None], hc, jnp.zeros((), hc.dtype))
     dh = jnp.einsum("btv,dv->btd", g, w, preferred_element_type=jnp.float32).astype(hc.dtype)
-    dw = jnp.einsum("btd,btv->dv", h_counted, g, preferred_element_type=jnp.float32)
+    if parts > 1:
+        b, c = g.shape[:2]
+        dw = jnp.einsum(
+            "bjtd,bjtv->jdv",
+            h_counted.reshape(b, parts, c // parts, -1),
+            g.reshape(b, parts, c // parts, -1),
+            preferred_element_type=jnp.float32,
+        )
+        dw = constrain(dw, ("length", "embed", "vocab"))
+    else:
+        dw = jnp.einsum("btd,btv->dv", h_counted, g, preferred_element_type=jnp.float32)
     return loss_sum, jnp.sum(counted.astype(jnp.float32)), dh, dw
 
 
@@ -334,16 +347,20 @@ def _fused_ce_forward(
     ts, t_rest = _split_chunks(targets, chunk_size)
     ms, m_rest = _split_chunks(mask, chunk_size)
 
+    shards = _context_chunk(h.shape[1], chunk_size)[0]
+
     def body(acc: tuple, xs: tuple) -> tuple[tuple, jax.Array]:
         loss, count, dw = acc
-        l_c, n_c, dh_c, dw_c = _ce_chunk_grads(*xs[:1], kernel, *xs[1:], softcap, logits_dtype)
+        l_c, n_c, dh_c, dw_c = _ce_chunk_grads(
+            *xs[:1], kernel, *xs[1:], softcap, logits_dtype, parts=shards
+        )
         return (loss + l_c, count + n_c, dw + dw_c), dh_c
 
     zero = jnp.zeros((), jnp.float32)
-    dw0 = jnp.zeros(kernel.shape, jnp.float32)
+    dw0 = jnp.zeros(((shards,) if shards > 1 else ()) + kernel.shape, jnp.float32)
     (loss, count, dw), dhs = jax.lax.scan(body, (zero, zero, dw0), (hs, ts, ms))
-    shards = _context_chunk(h.shape[1], chunk_size)[0]
     if shards > 1:
+        dw = jnp.sum(dw, axis=0)  # the devices' shares, reduced once
         dh = _from_chunks(dhs, shards)
     else:
         dh = jnp.moveaxis(dhs, 0, 1).reshape(h.shape[0], hs.shape[0] * chunk_size, h.shape[-1])

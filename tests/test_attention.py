@@ -113,7 +113,7 @@ def test_splash_equals_reference(name):
 
 
 def test_splash_under_a_mesh_runs_through_shard_map():
-    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1, 1), sharding.MESH_AXES)
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1, 1, 1), sharding.MESH_AXES)
 
     def under_mesh(q, k, v, seg):
         with sharding.activation_mesh(mesh):
@@ -234,8 +234,9 @@ def _h100_devices() -> list:
 
 
 def _mesh(devices: list, shape: tuple[int, int, int, int]) -> Mesh:
-    """(slice, data, fsdp, tensor) sizes; the expert axis is 1."""
-    return Mesh(np.asarray(devices).reshape((*shape[:2], 1, *shape[2:])), sharding.MESH_AXES)
+    """(slice, data, fsdp, tensor) sizes; the expert and context axes are 1."""
+    grid = (*shape[:2], 1, shape[2], 1, shape[3])
+    return Mesh(np.asarray(devices).reshape(grid), sharding.MESH_AXES)
 
 
 def _abstract(mesh: Mesh, b: int, t: int, h: int, kvh: int, d: int, dtype=jnp.bfloat16):

@@ -178,7 +178,7 @@ def test_blockwise_attention_is_the_einsum_path():
         return jnp.sum(attention.xla_attention(q, k, v, seg, None, 64, s) * w)
 
     def got(q, k, v, s):
-        return jnp.sum(blockwise_attention(q, k, v, idx, idx, seg, seg, 0.25, 64, s, 64) * w)
+        return jnp.sum(blockwise_attention(q, k, v, idx, None, seg, seg, 0.25, 64, s, 64) * w)
 
     with jax.default_matmul_precision("highest"):
         want = jax.value_and_grad(ref, argnums=(0, 1, 2, 3))(q, k, v, sinks)

@@ -57,7 +57,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from runtime.model import context_parallel, sharding
-from runtime.model.attention_blockwise import blockwise_attention
+from runtime.model.attention_blockwise import blockwise_attention, visible
 
 IMPLS = ("auto", "xla", "cudnn", "splash")
 
@@ -146,13 +146,7 @@ def causal_mask(t: int, segment_ids: jax.Array | None, window: int | None = None
     the tokens' original indices when the step lays the sequence out for context parallelism."""
     order = context_parallel.sequence_order()
     idx = jnp.arange(t) if order is None or len(order) != t else jnp.asarray(order)
-    mask = idx[:, None] >= idx[None, :]
-    if window is not None:
-        mask = mask & (idx[None, :] > idx[:, None] - window)
-    mask = mask[None]
-    if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    return mask
+    return visible(idx, idx, segment_ids, segment_ids, window)
 
 
 def xla_attention(
@@ -177,7 +171,7 @@ def xla_attention(
             idx = jnp.arange(t) if order is None else jnp.asarray(order)
             scale = q.shape[-1] ** -0.5 if scale is None else scale
             return blockwise_attention(
-                q, k, v, idx, idx, segment_ids, segment_ids, scale, window, sinks
+                q, k, v, idx, order, segment_ids, segment_ids, scale, window, sinks
             ).astype(q.dtype)
         mask = sharding.constrain(causal_mask(t, segment_ids, window), ("batch", "length", None))
         return masked_attention(q, k, v, mask, scale, sinks)

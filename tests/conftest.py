@@ -313,7 +313,8 @@ LONGEST_GROUPS = (
     "slurm", "tests/test_gemma4.py", "tests/test_human_output.py",
     "tests/faults/test_storage_faults.py", "tests/test_launch_local.py",
     "tests/faults/test_run_owner.py", "tests/test_scan.py", "tests/faults/test_storage_deadline.py",
-    "tests/test_train.py", "tests/test_plan.py", "tests/test_qwen3_next.py", "tests/test_boot.py",
+    "tests/test_train.py", "tests/test_plan.py", "tests/test_context_parallel.py",
+    "tests/test_qwen3_next.py", "tests/test_boot.py",
     "tests/faults/test_frozen_host.py", "tests/test_rollouts.py", "tests/test_compile_cache.py",
     "tests/test_quiet_start.py",
 )  # fmt: skip

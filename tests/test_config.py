@@ -382,7 +382,9 @@ def test_plan_configs_resolve(path: Path):
     assert "include" not in tomllib.loads(source) and "include" not in resolved_dict(cfg)
     assert parse_run_config(tomllib.loads(to_toml(cfg))) == cfg
     assert cfg.data.manifest.startswith("gs://YOUR-BUCKET/")  # a placeholder: plan reads no data
-    assert cfg.training.seq_len == 4096
+    # 4,096 tokens, or the long-context plans' 131,072 over mesh.context
+    assert cfg.training.seq_len == (131_072 if "128k" in path.name else 4096)
+    assert "128k" not in path.name or cfg.mesh.context > 1
     batch_axes = cfg.mesh.slices * cfg.mesh.data * cfg.mesh.fsdp
     assert cfg.training.global_batch_size % batch_axes == 0
 
@@ -397,6 +399,8 @@ def test_the_planned_jobs_are_the_issues():
     assert got["qwen3-32b-v5p-256"][0] == 64 and got["qwen3-1.7b-v6e-256"][2] == 256
     assert any(load_run_config(p)[0].model.family == "qwen3_moe" for p in PLANS)
     assert got["gemma4-31b-v5p-128"] == (60, 64, 64) and got["gemma4-31b-h100x32"] == (60, 32, 32)
+    # Issue 39: Qwen3-8B, one sequence of 131,072 tokens over a v5p-8's 4 chips, 8 H100s
+    assert got["qwen3-8b-128k-v5p-8"] == (36, 1, 4) and got["qwen3-8b-128k-h100x8"] == (36, 1, 8)
 
 
 JOBS = sorted((ROOT / "configs/jobs").glob("*.yaml"))

@@ -37,9 +37,10 @@ def test_fit_picks_a_setting_that_fits_and_writes_an_overlay(
     out = tmp_path / "pick.toml"
     # As a user runs it (JAX_PLATFORMS unset: `runtime` chooses the platform), with libtpu and
     # the CUDA plugin installed: no probing, no plugin traceback on stderr (test_quiet_start.py).
+    # One layer: the search is the same, each compile a little shorter.
     res = runtime("plan", "configs/tiny_plan.toml", "--accelerator", accelerator,
-                  "--set", f"mesh.fsdp={fsdp}", "--fit", "--json", "--jobs", jobs, "-o", str(out),
-                  env=user_env())  # fmt: skip
+                  "--set", f"mesh.fsdp={fsdp}", "--set", "model.num_layers=1", "--fit", "--json",
+                  "--jobs", jobs, "-o", str(out), env=user_env())  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr == "", res.stderr
     rep = json.loads(res.stdout)

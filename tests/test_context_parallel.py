@@ -81,17 +81,19 @@ def test_context_splits_activations_and_parameters():
 
 @pytest.mark.slow
 def test_plan_of_context_parallelism_on_a_tpu_slice():
-    # Deviceless: 4 v5p chips, each sequence of 1,024 over 4 of them (in 8 chunks of 128, two a
-    # chip): splash kernels with each chunk's causal offset, keys and values gathered.
+    # Deviceless: 4 v5p chips, each sequence of 512 over 2 of them (in 4 chunks of 128, two a
+    # chip), fsdp over the other 2: splash kernels with each chunk's causal offset, keys and
+    # values gathered.
     res = subprocess.run(
         [sys.executable, "-m", "runtime", "plan", "configs/tiny_plan.toml", "--accelerator",
-         "tpu-v5p-8", "--set", "mesh.context=4", "--set", "training.seq_len=1024",
-         "--set", "training.global_batch_size=2", "--json"],
+         "tpu-v5p-8", "--set", "mesh.context=2", "--set", "mesh.fsdp=2", "--set",
+         "training.seq_len=512", "--set", "training.global_batch_size=2", "--set",
+         "model.num_layers=1", "--json"],
         cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     rep = json.loads(res.stdout)
-    assert rep["mesh"]["context"] == 4
+    assert rep["mesh"]["context"] == 2
     assert rep["flops"]["uncounted_custom_calls"].get("tpu_custom_call", 0) > 0, rep["flops"]
     assert rep["collectives"]["by_kind"]["all-gather"]["count"] > 0, rep["collectives"]
 

@@ -866,20 +866,6 @@ def _quiet_library_logs() -> None:
     library_logs.quiet()
 
 
-def _in_a_cluster() -> bool:
-    """Whether this process joined a JAX cluster. A member that ends with an error skips the
-    interpreter's shutdown too: the distributed client's threads may throw while it tears down
-    (SIGABRT, "exception not rethrown", after the error sentence), and the error is recorded."""
-    if "jax" not in sys.modules:
-        return False
-    try:
-        from jax._src import distributed
-
-        return distributed.global_state.client is not None
-    except Exception:  # a JAX without that module: leave the shutdown as it is
-        return False
-
-
 def main(argv: list[str] | None = None) -> None:
     from runtime.host import compile_cache, platform
 
@@ -896,7 +882,7 @@ def main(argv: list[str] | None = None) -> None:
         # Every `finally` has run (a failure recorded, the claim released); skip only the
         # interpreter's shutdown (see stopped()). After a storage fault that shutdown would join
         # Orbax's threads, which may still be retrying a dead upload (up to storage_retry_s).
-        if startup.stopped() or code == EXIT_STORAGE_FAULT or (code and _in_a_cluster()):
+        if startup.stopped() or code == EXIT_STORAGE_FAULT:
             from runtime.host import hostlog
 
             sys.stdout.flush()

@@ -70,7 +70,7 @@ def test_settings_context_cannot_take_are_one_sentence(over, message):
     assert message in str(err.value)
 
 
-def test_context_splits_activations_and_parameters():
+def test_the_mesh_product_names_the_context_axis():
     cfg = parse_run_config(_run_config(mesh={"context": 2}))
     assert cfg.mesh.size == 2 and cfg.mesh.batch_shards == 1
     assert (

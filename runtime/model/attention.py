@@ -354,6 +354,20 @@ def _splash_local(
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
 
 
+def _head_specs(q: jax.Array, k: jax.Array, v: jax.Array, mesh, length: str | None = None):
+    """(q spec, kv spec, k, v) for a kernel under shard_map: batch over the batch axes, heads over
+    `tensor`, q's length over `length` (context) and k/v's whole. Query heads split over `tensor`
+    but KV heads too few to split: every query head gets its own copy of its kv head (repeat_kv
+    order), so each shard's groups line up."""
+    q_spec = sharding.mesh_spec(("batch", length, "heads", None), q.shape, mesh)
+    kv_spec = sharding.mesh_spec(("batch", None, "kv_heads", None), k.shape, mesh)
+    if q_spec[2] is not None and kv_spec[2] != q_spec[2]:
+        rep = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        kv_spec = sharding.mesh_spec(("batch", None, "heads", None), k.shape, mesh)
+    return q_spec, kv_spec, k, v
+
+
 def per_shard(
     local,
     q: jax.Array,
@@ -371,14 +385,7 @@ def per_shard(
         return _per_shard_with_sinks(local, q, k, v, segment_ids, sinks, mesh)
     if mesh is None:
         return local(q, k, v, segment_ids)
-    q_spec = sharding.mesh_spec(("batch", None, "heads", None), q.shape, mesh)
-    kv_spec = sharding.mesh_spec(("batch", None, "kv_heads", None), k.shape, mesh)
-    if q_spec[2] is not None and kv_spec[2] != q_spec[2]:
-        # Query heads split over `tensor` but KV heads too few to split: give every query head
-        # its own copy of its kv head (repeat_kv order), so each shard's groups line up.
-        rep = q.shape[2] // k.shape[2]
-        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-        kv_spec = q_spec
+    q_spec, kv_spec, k, v = _head_specs(q, k, v, mesh)
     seg_spec = PartitionSpec(q_spec[0], None)
     if segment_ids is None:
         fn = jax.shard_map(
@@ -411,12 +418,7 @@ def _per_shard_with_sinks(
     """`per_shard` with the sinks [H] as one more input, split over `tensor` like the heads."""
     if mesh is None:
         return local(q, k, v, segment_ids, sinks=sinks)
-    q_spec = sharding.mesh_spec(("batch", None, "heads", None), q.shape, mesh)
-    kv_spec = sharding.mesh_spec(("batch", None, "kv_heads", None), k.shape, mesh)
-    if q_spec[2] is not None and kv_spec[2] != q_spec[2]:
-        rep = q.shape[2] // k.shape[2]  # as in per_shard: each query head its kv head's copy
-        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-        kv_spec = q_spec
+    q_spec, kv_spec, k, v = _head_specs(q, k, v, mesh)
     args, specs = [q, k, v, sinks], [q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[2])]
     if segment_ids is not None:
         args.append(segment_ids)
@@ -447,12 +449,7 @@ def _splash_context(
     c, t = int(mesh.shape["context"]), q.shape[1]
     order = context_parallel.sequence_order()
     back = None if order is None else np.argsort(order)
-    q_spec = sharding.mesh_spec(("batch", "length", "heads", None), q.shape, mesh)
-    kv_spec = sharding.mesh_spec(("batch", None, "kv_heads", None), k.shape, mesh)
-    if q_spec[2] is not None and kv_spec[2] != q_spec[2]:
-        rep = q.shape[2] // k.shape[2]  # as in per_shard: each query head its kv head's copy
-        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-        kv_spec = sharding.mesh_spec(("batch", None, "heads", None), k.shape, mesh)
+    q_spec, kv_spec, k, v = _head_specs(q, k, v, mesh, "length")
     args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
     if segment_ids is not None:
         args += [segment_ids, segment_ids]

@@ -433,7 +433,8 @@ def _chunked_sums(
         return sums(head_logits(hc, w.astype(dtype), logits_dtype), tc)
 
     w = kernel.astype(jnp.promote_types(dtype, jnp.float32))
-    full = t - _split_chunks(h, chunk_size)[1].shape[1]
+    shards = _context_chunk(t, chunk_size)[0]
+    full = t if shards > 1 else t // chunk_size * chunk_size  # no rest under mesh.context
 
     def split(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [n, B, chunk, ...]
         return _split_chunks(x, chunk_size)[0]

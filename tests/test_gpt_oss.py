@@ -189,6 +189,51 @@ def test_cached_decode_equals_the_full_forward(built):
     assert int(cache.index) == BATCH.shape[1] and worst < 1e-5, worst
 
 
+def test_layers_scanned_in_periods_are_the_unrolled_model(tmp_path):
+    """Four layers, sliding then full twice: a period of 2, 2 repetitions. Scanned
+    (`layers.blocks.{j}`, [2, ...]) the import gives the unrolled logits and the same loss and
+    gradients, exports bit for bit and decodes from the cache (the sliding layers' rings)."""
+    src = hf_model(tmp_path / "hf", num_hidden_layers=4)
+    _, unrolled = imported(src)
+    cfg, scanned = imported(src, scan_layers=True)
+    flat = dict(nnx.to_flat_state(nnx.state(scanned, nnx.Param)))
+    assert flat[("layers", "blocks", 0, "self_attn", "sinks")].shape == (2, 4)
+    ours = logits_of(scanned, BATCH)
+    assert np.max(np.abs(ours - logits_of(unrolled, BATCH))) < 1e-5  # XLA fuses a scan otherwise
+    theirs = read_safetensors(src)
+    back = hf_from_params(cfg, flat_params(nnx.state(scanned, nnx.Param)))
+    assert set(back) == set(theirs)
+    for name, a in back.items():
+        assert np.array_equal(a, theirs[name]), name
+
+    def loss_and_grads(model):
+        def loss(m):
+            logp = jax.nn.log_softmax(m(jnp.asarray(BATCH[:, :-1]), pos), axis=-1)
+            return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(BATCH[:, 1:, None]), axis=-1))
+
+        pos = jnp.broadcast_to(jnp.arange(BATCH.shape[1] - 1), (BATCH.shape[0], BATCH.shape[1] - 1))
+        value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
+        return float(value), grads
+
+    (a, ga), (b, gb) = loss_and_grads(unrolled), loss_and_grads(scanned)
+    assert b == pytest.approx(a, rel=1e-6)
+    ga = hf_from_params(cfg.model_copy(update={"scan_layers": False}), flat_params(ga))
+    for name, g in hf_from_params(cfg, flat_params(gb)).items():
+        np.testing.assert_allclose(g, ga[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+    cache = scanned.init_cache(BATCH.shape[0], BATCH.shape[1])
+    assert [k.shape[1] for k in cache.k] == [WINDOW, BATCH.shape[1]] * 2
+    decode = nnx.jit(lambda m, ids, pos, c: m.decode(ids, pos, c))
+    t = 0
+    for n in [3, 1, 1, 1, 1, 1]:  # past the window: the rings wrap
+        ids = jnp.asarray(BATCH[:, t : t + n])
+        logits, cache = decode(
+            scanned, ids, jnp.broadcast_to(jnp.arange(t, t + n), ids.shape), cache
+        )
+        assert np.max(np.abs(np.asarray(logits) - ours[:, t : t + n])) < 1e-5, t
+        t += n
+
+
 # ---- MXFP4 ------------------------------------------------------------------------------------
 
 
@@ -326,6 +371,7 @@ _MESH_STEP = textwrap.dedent(
     from jobspec.run_config import MeshConfig
     from runtime.hf.convert import flat_params, model_config_from_hf
     from runtime.model.build import build_model
+    from runtime.model.hf_weights import hf_from_params
     from runtime.model.sharding import batch_sharding, build_mesh, on_mesh
 
     src = sys.argv[1]
@@ -333,10 +379,12 @@ _MESH_STEP = textwrap.dedent(
     pos = jnp.broadcast_to(jnp.arange(12), (4, 12))
     seg = jnp.asarray([[1] * 12, [1] * 5 + [2] * 7, [1] * 12, [1] * 9 + [2] * 3], jnp.int32)
     out = []
-    for mesh_keys in [{}, {"expert": 2, "fsdp": 2, "tensor": 2}]:
+    # The split mesh runs the layers scanned (a period of sliding, full); gradients compare by
+    # their HF names.
+    for mesh_keys, scan in [({}, False), ({"expert": 2, "fsdp": 2, "tensor": 2}, True)]:
         mesh_cfg = MeshConfig(**mesh_keys)
         mesh = build_mesh(mesh_cfg, jax.devices()[: mesh_cfg.size])
-        cfg = model_config_from_hf(src, init_from=f"hf:{src}")
+        cfg = model_config_from_hf(src, init_from=f"hf:{src}", scan_layers=scan)
         parts = build_model(cfg, 0, mesh)
 
         def loss(params, ids, pos, seg):
@@ -349,8 +397,8 @@ _MESH_STEP = textwrap.dedent(
         batch = [jax.device_put(a, rows) for a in (ids, pos, seg)]
         step = jax.jit(on_mesh(jax.value_and_grad(loss, has_aux=True), mesh))
         (value, loads), grads = step(parts.params, *batch)
-        flat = {".".join(map(str, k)): np.asarray(v).tolist()
-                for k, v in flat_params(grads).items()}
+        flat = {k: np.asarray(v).tolist()
+                for k, v in hf_from_params(cfg, flat_params(grads)).items()}
         out.append({"mesh": mesh_keys, "loss": float(value),
                     "loads": np.asarray(loads).tolist(), "grads": flat})
     print(json.dumps(out))
@@ -362,7 +410,8 @@ def test_one_train_step_is_the_same_on_an_expert_fsdp_tensor_mesh(built):
     """Loss, expert loads and every gradient of one step on 8 devices, expert x fsdp x tensor
     = 2 x 2 x 2 (parameters over fsdp, heads and expert widths over tensor; the sparse dispatch
     with its exchange over `expert` and the expert biases split over experts and the hidden
-    width), equal the single-device step's (the dense dispatch) to 1e-5."""
+    width; the layers scanned), equal the single-device unrolled step's (the dense dispatch) to
+    1e-5."""
     src = built("yarn")[0]
     env = {**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -371,7 +420,7 @@ def test_one_train_step_is_the_same_on_an_expert_fsdp_tensor_mesh(built):
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     base, *others = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(base["grads"]) == len(flat_params(nnx.state(built("yarn")[2], nnx.Param)))
+    assert set(base["grads"]) == set(read_safetensors(src))
     for run in others:
         where = run["mesh"]
         assert run["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6), where
@@ -437,7 +486,7 @@ REAL = {"gpt-oss-20b.toml": (24, 32, 21e9, 3.6e9), "gpt-oss-120b.toml": (36, 128
 def test_real_sizes_are_the_released_models(name):
     layers, experts, total, active = REAL[name]
     m = ModelConfig.model_validate(read_toml(ROOT / "configs/models" / name)["model"])
-    assert m.family == "gpt_oss" and m.scan_layers is False
+    assert m.family == "gpt_oss" and m.scan_layers is True
     released = {**GPT_OSS_20B, "num_hidden_layers": layers, "num_local_experts": experts,
                 "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)}  # fmt: skip
     # The released config.json is this file's model (the layer pattern the file leaves out
@@ -469,7 +518,6 @@ def _model_table(**g) -> dict:
     [
         ({"layer_types": ["full_attention"] * 3}, {}, "model.gpt_oss.layer_types has 3 entries but model.num_layers is 2"),
         ({"num_experts_per_tok": 5}, {}, "model.gpt_oss.num_experts_per_tok (5) exceeds model.gpt_oss.num_local_experts (4)"),
-        ({}, {"scan_layers": True}, "model.scan_layers = true is not available for gpt_oss"),
         ({}, {"attention": "cudnn"}, "model.attention = 'cudnn' cannot honour gpt_oss's attention sinks"),
         ({}, {"norm_topk_prob": False}, "model.norm_topk_prob = false is not available for gpt_oss"),
         ({}, {"router_bias_update_rate": 0.01}, "model.router_bias_update_rate is not available for gpt_oss"),

@@ -89,7 +89,8 @@ class GptOssModelConfig(ModelConfig):
         description="gpt_oss: the family's own settings ([model.gpt_oss]).",
     )
 
-    # The sliding and full layers take different attention masks, so they are not stacked.
+    # Unrolled unless asked: the sliding and full layers take different attention masks, so
+    # they scan in periods (paths `layers.blocks.{j}`), not as one stack.
     scanned_by_default: ClassVar[bool] = False
 
     @property
@@ -114,11 +115,6 @@ class GptOssModelConfig(ModelConfig):
 
     def _setting_problem(self) -> str | None:
         """A shared `[model]` setting gpt_oss does not take, as one sentence."""
-        if self.scan_layers:
-            return (
-                "model.scan_layers = true is not available for gpt_oss (its sliding and full "
-                "attention layers take different masks); set it to false"
-            )
         if self.attention == "cudnn":
             return (
                 "model.attention = 'cudnn' cannot honour gpt_oss's attention sinks (a learned "
@@ -150,7 +146,7 @@ class GptOssModelConfig(ModelConfig):
             **{k: h[k] for k in _OWN_KEYS},
             "rope_scaling": scaling,
         }
-        out: dict[str, Any] = {"family": "gpt_oss", "gpt_oss": g, "scan_layers": False}
+        out: dict[str, Any] = {"family": "gpt_oss", "gpt_oss": g}
         copy_plain(h, out)
         out["rope_theta"] = theta
         copy_dtype(hf, out)

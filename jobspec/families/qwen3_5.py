@@ -55,15 +55,7 @@ class Qwen3_5MoeConfig(Qwen3_5Config):
 
 def _mixer_problem(cfg: ModelConfig, q: Qwen3_5Config, table: str) -> str | None:
     """What both families check of their layers and heads (`table`: model.<their table>)."""
-    problem = mixer_problem(cfg, q, table)
-    if problem:
-        return problem
-    if cfg.scan_layers:
-        return (
-            f"model.scan_layers = true is not available for {cfg.family} (its layers differ in "
-            "token mixer); set it to false"
-        )
-    return None
+    return mixer_problem(cfg, q, table)
 
 
 class Qwen3_5TextModelConfig(ModelConfig):
@@ -242,7 +234,7 @@ def _shared_fields(hf: dict[str, Any], what: str, family: str, table: str) -> di
         q["mrope_section"] = list(rope["mrope_section"])
     if rope.get("mrope_interleaved") is not None:
         q["mrope_interleaved"] = bool(rope["mrope_interleaved"])
-    out: dict[str, Any] = {"family": family, table: q, "scan_layers": False}
+    out: dict[str, Any] = {"family": family, table: q}
     copy_plain(hf, out)
     out.setdefault("tie_word_embeddings", False)  # Qwen3_5TextConfig's default
     out.setdefault("head_dim", 256)

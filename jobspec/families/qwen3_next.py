@@ -127,7 +127,8 @@ class Qwen3NextModelConfig(ModelConfig):
     # Present (null for a dense model) in a resolved table.
     hf_keys: ClassVar[tuple[str, ...]] = HF_MOE_KEYS
 
-    # The layers differ in token mixer and MLP, so they cannot stack.
+    # Unrolled unless asked: the layers differ in token mixer and MLP, so they scan in periods
+    # of their kinds (paths `layers.blocks.{j}`), not as one stack.
     scanned_by_default: ClassVar[bool] = False
 
     def family_problem(self) -> str | None:
@@ -160,11 +161,6 @@ class Qwen3NextModelConfig(ModelConfig):
                 "model.router_bias_update_rate needs MoE layers, but this qwen3_next model has none "
                 "(set model.num_experts, or check model.qwen3_next.mlp_only_layers)"
             )
-        if self.scan_layers:
-            return (
-                "model.scan_layers = true is not available for qwen3_next (its layers differ in token "
-                "mixer and MLP); set it to false"
-            )
         return None
 
     @classmethod
@@ -187,7 +183,7 @@ class Qwen3NextModelConfig(ModelConfig):
         rope = rope_parameters(hf)
         factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
         q["partial_rotary_factor"] = float(factor)
-        out: dict[str, Any] = {"family": "qwen3_next", "qwen3_next": q, "scan_layers": False}
+        out: dict[str, Any] = {"family": "qwen3_next", "qwen3_next": q}
         copy_plain(hf, out)
         out.setdefault("tie_word_embeddings", False)  # Qwen3NextConfig's default
         out.setdefault("head_dim", 256)

@@ -9,11 +9,14 @@ experts ([E, in, out], see runtime/model/moe.py); an entry with `expert = e` is 
 stack, which HF's saved checkpoints keep as a separate `mlp.experts.{e}.*_proj.weight` per expert.
 With `model.scan_layers` the layers are stacked too: the path has no layer index
 (`("layers", "self_attn", "q_proj", "kernel")`, [L, in, out]) and an entry with `layer = i` is
-slice i of it (then slice `expert` of that), HF's `model.layers.{i}.…` either way.
+slice i of it (then slice `expert` of that), HF's `model.layers.{i}.…` either way. Layers
+scanned in periods of P (runtime/model/decoder.py `Period`) have layer i at block i % P of the
+stack, slice i // P: `in_periods` maps an unrolled map's entries there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from jobspec.families.model_config import ModelConfig
@@ -64,4 +67,17 @@ def ends(cfg: ModelConfig) -> list[Entry]:
     ]
     if not cfg.tie_word_embeddings:
         out.append(Entry(("lm_head", "kernel"), "lm_head.weight", True))
+    return out
+
+
+def in_periods(entries: list[Entry], period: int) -> list[Entry]:
+    """An unrolled map's layer entries (`("layers", i, …)`) as their slices of the layers
+    scanned in periods of `period`: `("layers", "blocks", i % period, …)`, slice i // period."""
+    out = []
+    for e in entries:
+        if e.path[0] == "layers" and isinstance(e.path[1], int):
+            i = e.path[1]
+            path = ("layers", "blocks", i % period, *e.path[2:])
+            e = dataclasses.replace(e, path=path, layer=i // period)
+        out.append(e)
     return out

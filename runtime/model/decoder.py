@@ -5,19 +5,35 @@ A family's decoder subclasses `DecoderBase` and builds `embed_tokens` (an `embed
 `init_cache` and `decode`. Given those, the base supplies the logits (the head, tied or not, and
 an optional soft-cap), the plain and the expert-load forward, the layers run one by one under
 the configured remat, and the causal mask over a decoding cache.
+
+Layers whose kinds repeat (gpt-oss's sliding and full attention, Qwen3-Next's three DeltaNet
+layers and one attention layer) scan in periods: `period_of` finds the shortest period P of the
+kinds, `build_periods` stacks the R = L / P repetitions of a `Period` (P blocks, one per kind,
+each variable with a leading [R] axis named "layers"), and `run_layers` runs one `lax.scan` over
+them, each block under the remat policy, so compile time grows with P, not with depth. Layer i
+is block i % P of repetition i // P; the stacks are built from the seed in layer order, so the
+values are the unrolled model's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
-from runtime.model.layers import ACT_EMBED, REMAT_POLICIES, constrain_logits, remat_call, softcap
+from runtime.model.layers import (
+    ACT_EMBED,
+    REMAT_POLICIES,
+    build_stacked,
+    constrain_logits,
+    remat_call,
+    softcap,
+)
 from runtime.model.moe import MoEStats, stack_stats
 from runtime.model.sharding import constrain
 
@@ -33,6 +49,63 @@ def layer_forward(layer: nnx.Module, x: jax.Array, *args: Any) -> tuple[jax.Arra
     """A layer that returns (x, its decoding cache, its MoE stats or None) -> (x, stats)."""
     out, _, stats = layer(x, *args)
     return out, stats
+
+
+def period_of(kinds: Sequence[Hashable]) -> int:
+    """The shortest P that divides len(kinds) with kinds[i] == kinds[i % P] for every i (the
+    length itself when nothing repeats)."""
+    n = len(kinds)
+    for p in range(1, n):
+        if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
+            return p
+    return n
+
+
+class Period(nnx.Module):
+    """One repetition of a period of layers: `blocks`, one per kind, in layer order. Stacked
+    (`build_periods`), every variable has a leading [repetitions] axis."""
+
+    def __init__(self, blocks: list[nnx.Module]) -> None:
+        self.blocks = nnx.List(blocks)
+
+
+def build_periods(
+    make: Callable[[Any, nnx.Rngs], nnx.Module],
+    kinds: Sequence[Hashable],
+    rngs: nnx.Rngs,
+    *,
+    eager_sharding: bool = False,
+) -> Period:
+    """The layers of `kinds` (period_of(kinds) must be below len(kinds) for a scan to gain
+    anything; any period is correct) as one stacked `Period`; make(kind, rngs) builds one layer
+    unsharded (the stack is sharded as a whole when eager)."""
+    p = period_of(kinds)
+    one = list(kinds[:p])
+    return build_stacked(
+        lambda r: Period([make(kind, r) for kind in one]),
+        rngs,
+        len(kinds) // p,
+        eager_sharding=eager_sharding,
+    )
+
+
+def unstack_periods(stacked: Period) -> list[nnx.Module]:
+    """The layers of a stacked `Period` one by one, in layer order (decoding loops over them)."""
+    graphdef, state = nnx.split(stacked)
+    repeats = jax.tree.leaves(state)[0].shape[0]
+    out = []
+    for r in range(repeats):
+        period = nnx.merge(graphdef, jax.tree.map(lambda v, r=r: v[r], state))
+        out += list(period.blocks)
+    return out
+
+
+def _interleave(stats: list[MoEStats]) -> MoEStats | None:
+    """Per MoE block of a period, its stats over the repetitions [R, ...] -> [R * M, ...] in
+    layer order (repetition r's blocks before r + 1's)."""
+    if not stats:
+        return None
+    return jax.tree.map(lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]), *stats)
 
 
 class DecoderBase(nnx.Module):
@@ -91,10 +164,38 @@ class DecoderBase(nnx.Module):
 
     def run_layers(self, x: jax.Array, *args: Any) -> tuple[jax.Array, MoEStats | None]:
         """x through every layer of `layers` (each called as layer(x, *args, ...) -> (x, cache,
-        stats)) under the remat policy -> (x, the MoE layers' stats stacked in layer order)."""
+        stats)) under the remat policy -> (x, the MoE layers' stats stacked in layer order).
+        A stacked `Period` runs as one scan over its repetitions."""
         forward = self.remat(layer_forward)
+        if isinstance(self.layers, Period):
+            return _scan_periods(forward, self.layers, x, *args)
         stats = []
         for layer in self.layers:
             x, s = forward(layer, x, *args)
             stats.append(s)
         return x, stack_stats(stats)
+
+    def layer_list(self) -> list[nnx.Module]:
+        """The layers one by one, in layer order (a stacked `Period` sliced per layer)."""
+        if isinstance(self.layers, Period):
+            return unstack_periods(self.layers)
+        return list(self.layers)
+
+
+def _scan_periods(
+    forward: Callable[..., tuple[jax.Array, Any]], stacked: Period, x: jax.Array, *args: Any
+) -> tuple[jax.Array, MoEStats | None]:
+    """One `lax.scan` over the repetitions of a stacked `Period`: each step runs the period's
+    blocks in order, each through `forward` (the remat-wrapped layer call)."""
+    graphdef, state = nnx.split(stacked)
+
+    def body(x: jax.Array, period_state: Any) -> tuple[jax.Array, tuple]:
+        period = nnx.merge(graphdef, period_state)
+        stats = []
+        for block in period.blocks:
+            x, s = forward(block, x, *args)
+            stats.append(s)
+        return x, tuple(stats)
+
+    x, stats = lax.scan(body, x, state)
+    return x, _interleave([s for s in stats if s is not None])

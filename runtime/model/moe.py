@@ -257,7 +257,9 @@ def update_router_bias(others: tuple, loads: jax.Array, rate: float) -> tuple:
     per layer that has a router bias, in layer order (M = num_layers when every layer is MoE;
     fewer when some layers are dense, as in qwen3_next). Per-layer biases
     (`layers.{i}.mlp.router_bias` [E]) take the row of layer i's rank among those layers; a
-    scanned model's one stacked bias (`layers.mlp.router_bias` [L, E]) takes all rows at once.
+    scanned model's one stacked bias (`layers.mlp.router_bias` [L, E]) takes all rows at once;
+    in layers scanned in periods (`layers.blocks.{j}.mlp.router_bias` [R, E], block j of each
+    repetition) block j takes every S-th row from its rank among the S blocks with a bias.
     Returns others with the same structure. Runs outside any gradient.
     """
     delta = rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)  # [M, E]
@@ -266,15 +268,16 @@ def update_router_bias(others: tuple, loads: jax.Array, rate: float) -> tuple:
         keys = [getattr(p, "key", getattr(p, "idx", None)) for p in path]
         if "router_bias" not in keys:
             return None
-        return keys[keys.index("layers") + 1]
+        after = keys[keys.index("layers") + 1]
+        return ("blocks", int(keys[keys.index("layers") + 2])) if after == "blocks" else after
 
     def is_index(key: Any) -> bool:
         return isinstance(key, int) or (isinstance(key, str) and key.isdigit())
 
     with_bias = jax.tree_util.tree_flatten_with_path(others)[0]
-    ranks = {i: r for r, i in enumerate(sorted(
-        int(k) for k in (layer_key(path) for path, _ in with_bias) if is_index(k)
-    ))}  # fmt: skip
+    keys = [layer_key(path) for path, _ in with_bias]
+    ranks = {i: r for r, i in enumerate(sorted(int(k) for k in keys if is_index(k)))}
+    blocks = sorted(k[1] for k in keys if isinstance(k, tuple))
 
     def step(path: tuple, leaf: Any) -> Any:
         after = layer_key(path)
@@ -282,6 +285,14 @@ def update_router_bias(others: tuple, loads: jax.Array, rate: float) -> tuple:
             return leaf
         if is_index(after):
             return leaf + delta[ranks[int(after)]].astype(leaf.dtype)
+        if isinstance(after, tuple):
+            rows = delta[blocks.index(after[1]) :: len(blocks)]
+            if leaf.shape != rows.shape:
+                raise ValueError(
+                    f"router bias of period block {after[1]} {leaf.shape} does not match its "
+                    f"loads {rows.shape}"
+                )
+            return leaf + rows.astype(leaf.dtype)
         if leaf.shape != delta.shape:
             raise ValueError(
                 f"stacked router bias {leaf.shape} does not match the loads {delta.shape}"

@@ -24,8 +24,10 @@ default):
   Dense or sparse dispatch as `model.moe_dispatch` says (runtime/model/moe_dispatch.py, with
   the biases and the clamped activation as its options), experts over `mesh.expert`.
 
-The layers are never scanned (their masks differ): `layers` is an `nnx.List`, paths
-`layers.{i}.…` mirroring HF's names (table in hf_names.py). Decoding (`init_cache`/`decode`)
+With `model.scan_layers` the layers scan in periods of their kinds (sliding, full:
+runtime/model/decoder.py `Period`), paths `layers.blocks.{j}.…` with a leading [repetitions]
+axis; without, `layers` is an `nnx.List`, paths `layers.{i}.…` mirroring HF's names (table in
+hf_names.py); both hold the same values from the same seed. Decoding (`init_cache`/`decode`)
 keeps max_len K/V slots on full layers and a ring of min(sliding_window, max_len) on sliding
 ones (the token at time s in slot s % slots).
 """
@@ -43,7 +45,7 @@ from flax import nnx
 from jobspec.families.gpt_oss import GptOssConfig, GptOssModelConfig, YarnRopeScaling
 from jobspec.families.model_config import ModelConfig
 from runtime.model import attention, moe_dispatch
-from runtime.model.decoder import DecoderBase
+from runtime.model.decoder import DecoderBase, build_periods
 from runtime.model.layers import (
     ACT_EMBED,
     ACT_EXPERT,
@@ -372,7 +374,15 @@ class GptOssDecoder(DecoderBase):
         kw = {"rngs": rngs, "eager_sharding": eager_sharding}
         self.embed_tokens = Embed(cfg, **kw)
         self.sliding = tuple(sliding_layers(cfg))
-        self.layers = nnx.List([Block(cfg, s, **kw) for s in self.sliding])
+        if cfg.scan_layers:
+            self.layers = build_periods(
+                lambda s, r: Block(cfg, s, rngs=r, eager_sharding=False),
+                self.sliding,
+                rngs,
+                eager_sharding=eager_sharding,
+            )
+        else:
+            self.layers = nnx.List([Block(cfg, s, **kw) for s in self.sliding])
         self.norm = Norm(cfg.hidden_size, cfg, eager_sharding=eager_sharding)
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, **kw)
@@ -406,7 +416,7 @@ class GptOssDecoder(DecoderBase):
         cos, sin = rope_tables(self.cfg, positions)
         x = constrain(self.embed_tokens(inputs), ACT_EMBED)
         new_k, new_v = [], []
-        for block, ck, cv in zip(self.layers, cache.k, cache.v, strict=True):
+        for block, ck, cv in zip(self.layer_list(), cache.k, cache.v, strict=True):
             x, (nk, nv), _ = block(x, cos, sin, None, (ck, cv), cache.index)
             new_k.append(nk)
             new_v.append(nv)

@@ -1,4 +1,4 @@
-"""The gpt_oss family's HF name map (`GptOssForCausalLM`; unrolled layers only).
+"""The gpt_oss family's HF name map (`GptOssForCausalLM`).
 
 Attention: `self_attn.{q,k,v,o}_proj.weight` transpose as every projection, their biases (with
 `attention_bias`) and `self_attn.sinks` [H] copy as they are. The router `mlp.router.weight`
@@ -6,7 +6,8 @@ Attention: `self_attn.{q,k,v,o}_proj.weight` transpose as every projection, thei
 in HF's own fused layout, untransposed: `mlp.experts.gate_up_proj` [E, D, 2I] (gate and up
 interleaved), `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, D], `down_proj_bias` [E, D]. A
 Hub checkpoint's MXFP4 experts (`*_blocks` + `*_scales`) are dequantized into these names before
-the map applies (runtime/hf/mxfp4.py); export writes them unquantized.
+the map applies (runtime/hf/mxfp4.py); export writes them unquantized. With
+`model.scan_layers` layer i is block i % P of the period stack, slice i // P (`in_periods`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 from functools import partial
 
 from jobspec.families.model_config import ModelConfig
-from runtime.hf.names import Entry, ends, in_layer
-from runtime.model.gpt_oss.decoder import settings
+from runtime.hf.names import Entry, ends, in_layer, in_periods
+from runtime.model.decoder import period_of
+from runtime.model.gpt_oss.decoder import settings, sliding_layers
 
 #: The experts' tensors, kept in HF's layout.
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -42,7 +44,8 @@ def layer_names(cfg: ModelConfig, i: int) -> list[Entry]:
 
 
 def hf_names(cfg: ModelConfig) -> list[Entry]:
-    out = ends(cfg)
-    for i in range(cfg.num_layers):
-        out += layer_names(cfg, i)
-    return out
+    unrolled = cfg.model_copy(update={"scan_layers": False})
+    out = [e for i in range(cfg.num_layers) for e in layer_names(unrolled, i)]
+    if cfg.scan_layers:
+        out = in_periods(out, period_of(sliding_layers(cfg)))
+    return ends(cfg) + out

@@ -1,5 +1,5 @@
-"""The qwen3_5 families' HF name map (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`; unrolled
-layers only): qwen3_next's, but for the DeltaNet input projections.
+"""The qwen3_5 families' HF name map (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`):
+qwen3_next's, but for the DeltaNet input projections (layers scanned in periods as there).
 
 DeltaNet layers: `linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj}` transpose as
 every projection; `conv1d.weight` [C, 1, K] is our `conv1d.kernel` [K, C]; `A_log`, `dt_bias`
@@ -19,7 +19,8 @@ from __future__ import annotations
 from functools import partial
 
 from jobspec.families.model_config import ModelConfig
-from runtime.hf.names import Entry, ends, in_layer
+from runtime.hf.names import Entry, ends, in_layer, in_periods
+from runtime.model.decoder import period_of
 from runtime.model.qwen3.hf_names import attention_names, layer_norm_names, mlp_names
 from runtime.model.qwen3_5.decoder import layer_kinds
 from runtime.model.qwen3_next.hf_names import shared_moe_names
@@ -42,9 +43,11 @@ def deltanet_names(cfg: ModelConfig, i: int) -> list[Entry]:
 
 
 def hf_names(cfg: ModelConfig) -> list[Entry]:
-    out = ends(cfg)
-    for i, kind in enumerate(layer_kinds(cfg)):
-        out += deltanet_names(cfg, i) if kind.linear else attention_names(cfg, i)
-        out += layer_norm_names(cfg, i)
-        out += shared_moe_names(cfg, i) if kind.moe else mlp_names(cfg, i)
-    return out
+    kinds = layer_kinds(cfg)
+    unrolled = cfg.model_copy(update={"scan_layers": False})
+    out = []
+    for i, kind in enumerate(kinds):
+        out += deltanet_names(unrolled, i) if kind.linear else attention_names(unrolled, i)
+        out += layer_norm_names(unrolled, i)
+        out += shared_moe_names(unrolled, i) if kind.moe else mlp_names(unrolled, i)
+    return ends(cfg) + (in_periods(out, period_of(kinds)) if cfg.scan_layers else out)

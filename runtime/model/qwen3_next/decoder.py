@@ -32,8 +32,11 @@ Decoding (`init_cache`/`decode`, what `sample` runs): attention layers keep a KV
 slots; DeltaNet layers keep the last K-1 conv inputs and the fp32 recurrent state [B, Hv, dk, dv].
 A prefill runs the chunked rule from the cached state, a one-token step the recurrent rule.
 
-The layers are never scanned (they differ in mixer and MLP): `layers` is an `nnx.List`, paths
-`layers.{i}.…` mirroring HF's names (table in hf_names.py).
+With `model.scan_layers` the layers scan in periods of their kinds (mixer and MLP; every
+`full_attention_interval` layers by default: runtime/model/decoder.py `Period`), paths
+`layers.blocks.{j}.…` with a leading [repetitions] axis; without, `layers` is an `nnx.List`,
+paths `layers.{i}.…` mirroring HF's names (table in hf_names.py). Both hold the same values
+from the same seed.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jobspec.families.model_config import ModelConfig
 from jobspec.families.qwen3_next import Qwen3NextConfig, Qwen3NextModelConfig
 from runtime.model import attention, context_parallel
-from runtime.model.decoder import DecoderBase, cache_mask
+from runtime.model.decoder import DecoderBase, build_periods, cache_mask
 from runtime.model.deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from runtime.model.layers import (
     ACT_EMBED,
@@ -431,7 +434,15 @@ class Qwen3NextDecoder(DecoderBase):
         self.kinds = tuple(layer_kinds(cfg))
         kw = {"rngs": rngs, "eager_sharding": eager_sharding}
         self.embed_tokens = Embed(cfg, **kw)
-        self.layers = nnx.List([self.block(cfg, kind, **kw) for kind in self.kinds])
+        if cfg.scan_layers:
+            self.layers = build_periods(
+                lambda kind, r: self.block(cfg, kind, rngs=r, eager_sharding=False),
+                self.kinds,
+                rngs,
+                eager_sharding=eager_sharding,
+            )
+        else:
+            self.layers = nnx.List([self.block(cfg, kind, **kw) for kind in self.kinds])
         self.norm = RMSNorm(cfg.hidden_size, cfg, eager_sharding=eager_sharding, zero_centred=True)
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, **kw)
@@ -460,7 +471,7 @@ class Qwen3NextDecoder(DecoderBase):
         dtype = self.compute_dtype if dtype is None else dtype
         kv_shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.resolved_head_dim)
         ks, convs, states = [], [], []
-        for block in self.layers:
+        for block in self.layer_list():
             if block.linear:
                 conv, state = block.linear_attn.init_state(batch, dtype)
                 convs.append(conv)
@@ -486,7 +497,7 @@ class Qwen3NextDecoder(DecoderBase):
         mask = cache_mask(cache.index, t, cache.k[0].shape[1]) if cache.k else None
         ks, vs, convs, states = list(cache.k), list(cache.v), list(cache.conv), list(cache.state)
         a = d = 0
-        for block in self.layers:
+        for block in self.layer_list():
             if block.linear:
                 x, (convs[d], states[d]), _ = block(x, cos, sin, None, (convs[d], states[d]))
                 d += 1

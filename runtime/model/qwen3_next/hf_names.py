@@ -1,4 +1,4 @@
-"""The qwen3_next family's HF name map (`Qwen3NextForCausalLM`; unrolled layers only).
+"""The qwen3_next family's HF name map (`Qwen3NextForCausalLM`).
 
 DeltaNet layers: `linear_attn.{in_proj_qkvz,in_proj_ba,out_proj}` transpose as every
 projection (their outputs keep HF's per-key-head-group order); `conv1d.weight` [C, 1, K] is
@@ -8,7 +8,8 @@ query width: [q | gate] per head). MoE layers: qwen3_moe's router and per-expert
 HF saves them (`mlp.experts.{e}.{gate,up,down}_proj.weight`), plus `mlp.shared_expert.*` and
 `mlp.shared_expert_gate.weight` [1, hidden]; dense layers: `mlp.{gate,up,down}_proj`.
 MTP (multi-token prediction) tensors a checkpoint may carry are skipped on import:
-`HF_IGNORED_PREFIXES`.
+`HF_IGNORED_PREFIXES`. With `model.scan_layers` layer i is block i % P of the period stack,
+slice i // P (`in_periods`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 from functools import partial
 
 from jobspec.families.model_config import ModelConfig
-from runtime.hf.names import Entry, ends, in_layer
+from runtime.hf.names import Entry, ends, in_layer, in_periods
+from runtime.model.decoder import period_of
 from runtime.model.qwen3.hf_names import attention_names, layer_norm_names, mlp_names
 from runtime.model.qwen3_moe.hf_names import moe_names
 from runtime.model.qwen3_next.decoder import layer_kinds
@@ -51,9 +53,11 @@ def shared_moe_names(cfg: ModelConfig, i: int) -> list[Entry]:
 
 
 def hf_names(cfg: ModelConfig) -> list[Entry]:
-    out = ends(cfg)
-    for i, kind in enumerate(layer_kinds(cfg)):
-        out += deltanet_names(cfg, i) if kind.linear else attention_names(cfg, i)
-        out += layer_norm_names(cfg, i)
-        out += shared_moe_names(cfg, i) if kind.moe else mlp_names(cfg, i)
-    return out
+    kinds = layer_kinds(cfg)
+    unrolled = cfg.model_copy(update={"scan_layers": False})
+    out = []
+    for i, kind in enumerate(kinds):
+        out += deltanet_names(unrolled, i) if kind.linear else attention_names(unrolled, i)
+        out += layer_norm_names(unrolled, i)
+        out += shared_moe_names(unrolled, i) if kind.moe else mlp_names(unrolled, i)
+    return ends(cfg) + (in_periods(out, period_of(kinds)) if cfg.scan_layers else out)

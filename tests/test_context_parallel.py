@@ -29,16 +29,20 @@ _NEXT = {**_TINY, "family": "qwen3_next", "num_layers": 4, "hidden_size": 32, "h
          "intermediate_size": 48, "qwen3_next": {
              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
              "linear_value_head_dim": 8, "chunk_size": 4}}  # fmt: skip
+#: Per family: one device, the sequence over 4 devices, and split over 2 beside another axis.
 _CASES = [
-    *(("qwen3_moe", _MOE, m) for m in ({}, {"expert": 2, "context": 2})),
-    *(("qwen3_next", _NEXT, m) for m in ({}, {"fsdp": 2, "context": 2})),
+    # (qwen3 on fsdp 2 x context 2 runs as 4 processes in tests/test_multihost.py.)
+    *(("qwen3", {**_TINY, "family": "qwen3"}, m) for m in ({}, {"context": 4})),
+    *(("qwen3_moe", _MOE, m) for m in ({}, {"context": 4}, {"expert": 2, "context": 2})),
+    *(("qwen3_next", _NEXT, m) for m in ({}, {"context": 4}, {"fsdp": 2, "context": 2})),
 ]
 
 
 @pytest.mark.slow
 def test_one_train_step_is_the_same_with_the_sequence_split():
-    # 16 tokens a row over 2 or 4 devices: each holds 8 or 4, two documents a row, the loss in
-    # chunks that take positions from every device's part.
+    # 16 tokens a row over 2 or 4 devices: each holds 8 or 4 (two chunks of the balanced layout,
+    # 4 or 2 tokens each), two documents a row, the loss in chunks that take positions from
+    # every device's part.
     results = same_step_on_meshes(_CASES)
     for res in results:
         where = f"{res['name']} on {res['mesh']}"

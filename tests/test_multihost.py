@@ -53,8 +53,9 @@ LAYOUTS = {  # name: (processes, devices per process, mesh)
     # the second is another process to start and compile for, and runs the same code).
     "p2-data": (2, 1, {"data": 2}),
     "p1x2-data": (1, 2, {"data": 2}),  # one process, the same mesh as p2-data: the writer baseline
-    # Each sequence split over two hosts: both read the same rows and keep a half each.
-    "p2-context": (2, 1, {"context": 2}),
+    # Four hosts in one cluster: each sequence split over two of them (the context axis spans
+    # hosts: both read the same rows and keep a half each), the rows and parameters over fsdp.
+    "p4-fsdp-context": (4, 1, {"fsdp": 2, "context": 2}),
 }
 
 

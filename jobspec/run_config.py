@@ -555,12 +555,6 @@ class RunConfig(Section):
                     f"training.seq_len ({t.seq_len}) must be a multiple of mesh.context "
                     f"({self.mesh.context}), the devices each sequence is split over"
                 )
-            if m.attention == "cudnn":
-                raise ValueError(
-                    f"model.attention = 'cudnn' with mesh.context = {self.mesh.context} is not "
-                    "built yet (the kernel would need each sequence part's causal offset); set "
-                    "model.attention = 'auto' or 'xla', which gather the keys and values"
-                )
         if self.mesh.expert > 1:
             experts = m.routed_experts
             if experts is None:

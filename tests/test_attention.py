@@ -188,10 +188,16 @@ def test_splash_rejects_a_length_it_cannot_block():
         attention.attend(q, k, v, None, impl="splash")
 
 
-def test_cudnn_refuses_a_cpu_target():
-    q, k, v = qkv(1, 16, 2, 1, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"model.attention = 'cudnn'.*CUDA GPUs only, not cpu"):
-        attention.attend(q, k, v, None, impl="cudnn")
+def test_cudnn_on_cpu_is_jaxs_xla_form_of_the_call_and_refused_on_tpu():
+    # As splash runs in interpret mode on CPU, cudnn runs the same dot_product_attention call
+    # through jax's XLA implementation there (how its masks are checked without a GPU).
+    q, k, v = qkv(1, 16, 2, 1)
+    seg = jnp.asarray([[1] * 9 + [2] * 7])
+    got = attention.attend(q, k, v, seg, impl="cudnn", window=5)
+    want = attention.attend(q, k, v, seg, impl="xla", window=5)
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-6
+    why = attention.unsupported("cudnn", q, k, None, "tpu")
+    assert why is not None and "CUDA GPUs" in why and "not tpu" in why
 
 
 # --- compiling for real targets without the hardware ------------------------------------------

@@ -64,8 +64,6 @@ def _run_config(**over) -> dict:
     "over, message",
     [
         ({"mesh": {"context": 3}}, "training.seq_len (16) must be a multiple of mesh.context (3)"),
-        ({"mesh": {"context": 2}, "model": {"attention": "cudnn"}},
-         "model.attention = 'cudnn' with mesh.context = 2 is not built yet"),
     ],
 )  # fmt: skip
 def test_settings_context_cannot_take_are_one_sentence(over, message):
@@ -155,8 +153,10 @@ def test_attention_with_the_sequence_split_matches_one_device():
     # at their causal offsets, with a window, sinks, packed documents and heads over tensor;
     # xla with the keys a block at a time (attention_blockwise.py, as on GPUs; from 512 tokens
     # here instead of BLOCKWISE_FROM, to keep the test small).
+    # cudnn through jax's XLA form of the same calls: one per chunk, the offset as a mask.
     cases = [({"context": 2, "tensor": 2}, 512, 128, True, True, "splash"),
-             ({"context": 4}, 1024, None, True, True, "xla")]  # fmt: skip
+             ({"context": 4}, 1024, None, True, True, "xla"),
+             ({"context": 4}, 64, 9, False, True, "cudnn")]  # fmt: skip
     env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     r = subprocess.run([sys.executable, "-c", _SPLASH, json.dumps(cases)], cwd=ROOT, env=env,

@@ -34,7 +34,12 @@ The kernels:
   into an additive bf16/fp16 bias the fused kernel reads blockwise. That costs B·T²·2 bytes of
   HBM per layer (32 MiB per 4,096-token row, shared by all heads) and a dbias output in the
   backward pass; with `segment_ids=None` no mask is passed and the kernel is causal only. It has
-  no sinks: with `sinks` it is refused (`unsupported`), never approximated.
+  no sinks: with `sinks` it is refused (`unsupported`), never approximated. Under
+  `mesh.context` each chunk of a device's queries is one call against the keys it can see
+  (`cudnn_chunk`): the kernel's causal mask is aligned to the top left, so the chunk's offset
+  goes in as a mask too (n x (offset + n) for a chunk of n, not T x T). On CPU the same calls
+  run through jax's XLA implementation (`implementation="xla"`), as splash runs in interpret
+  mode there.
 - `auto`: splash on TPU, cudnn on GPU (CUDA), xla elsewhere, by the platform of the devices
   being compiled for: the current mesh's devices when a mesh is active (so `runtime plan` on a
   CPU machine compiling for TPU picks splash), else JAX's default backend.
@@ -219,11 +224,6 @@ def unsupported(
         return f"q [B,T,H,D] and k/v [B,T,KV,D] with KV dividing H (got {q.shape}, {k.shape})"
     t, d = q.shape[1], q.shape[3]
     shards = sharding.context_size()
-    if kernel == "cudnn" and shards > 1:
-        return (
-            "cudnn with mesh.context > 1 is not built yet (each sequence part needs its own "
-            "causal offset in the kernel); xla gathers the keys and values instead"
-        )
     if kernel == "splash":
         if platform not in ("tpu", "cpu"):
             return f"splash is a TPU kernel (interpret mode on CPU for tests), not for {platform}"
@@ -238,8 +238,10 @@ def unsupported(
     elif kernel == "cudnn":
         if sinks:
             return "cudnn cannot honour attention sinks (a learned logit per head in the softmax)"
-        if platform not in ("cuda", "gpu"):
-            return f"cudnn runs on CUDA GPUs only, not {platform}"
+        if platform not in ("cuda", "gpu", "cpu"):
+            return f"cudnn runs on CUDA GPUs (jax's XLA form of the call on CPU), not {platform}"
+        if platform == "cpu":  # the same call through jax's XLA path: no kernel limits
+            return None
         if q.dtype not in _CUDNN_DTYPES:
             return f"cudnn needs bfloat16 or float16 q/k/v (model.compute_dtype), got {q.dtype}"
         limit = _cudnn_max_head_dim()
@@ -431,7 +433,7 @@ def _per_shard_with_sinks(
     return fn(*args)
 
 
-def _splash_context(
+def _per_context_chunk(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -439,12 +441,13 @@ def _splash_context(
     sinks: jax.Array | None,
     local,
 ) -> jax.Array:
-    """Splash under `mesh.context` = C > 1: each device attends its queries (the chunks of
-    `context_parallel.shard_chunks`: one early and one late part of the sequence in the
-    balanced layout) to every key and value, gathered over `context` and put back in the
-    original order, one kernel per chunk with that chunk's causal offset. The device's index
-    is only known when the step runs, so each device picks its kernels with a `lax.switch`
-    over the C devices' static masks."""
+    """A fused kernel under `mesh.context` = C > 1: each device attends its queries (the
+    chunks of `context_parallel.shard_chunks`: one early and one late part of the sequence in
+    the balanced layout) to every key and value, gathered over `context` and put back in the
+    original order, one kernel call per chunk with that chunk's causal offset
+    (`local(q_chunk, k, v, seg_chunk, offset=..., kv_segment_ids=...)`). The device's index
+    is only known when the step runs, so each device picks its calls with a `lax.switch` over
+    the C devices' static offsets."""
     mesh = sharding.current_mesh()
     c, t = int(mesh.shape["context"]), q.shape[1]
     order = context_parallel.sequence_order()
@@ -500,7 +503,7 @@ def splash_attention(
     """Splash attention; inside `jax.shard_map` over the current mesh when there is one."""
     local = functools.partial(_splash_local, interpret=interpret, scale=scale, window=window)
     if sharding.context_size() > 1:
-        return _splash_context(q, k, v, segment_ids, sinks, local)
+        return _per_context_chunk(q, k, v, segment_ids, sinks, local)
     return per_shard(local, q, k, v, segment_ids, sinks)
 
 
@@ -535,6 +538,40 @@ def cudnn_attention(
         is_causal=True,
         local_window_size=None if window is None else (window - 1, 0),
         implementation=implementation,
+    )
+    return out.astype(q.dtype)
+
+
+def cudnn_chunk(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    offset: int,
+    kv_segment_ids: jax.Array | None,
+    implementation: str = "cudnn",
+    scale: float | None = None,
+    window: int | None = None,
+) -> jax.Array:
+    """cuDNN for one chunk of a sequence split over `mesh.context`: queries q [B, n, H, D] at
+    original positions offset..offset+n-1, keys and values [B, T, KV, D] in the original order.
+    The kernel's causal mask is aligned to the top left (query 0 with key 0), so the offset
+    goes in as a mask over the keys the chunk can see at all (from offset - window + 1 with a
+    window, up to offset + n - 1), sliced to them: n x (offset + n) at most, no wasted rows."""
+    n = q.shape[1]
+    lo, hi = (0 if window is None else max(0, offset - window + 1)), offset + n
+    q_at, k_at = offset + jnp.arange(n), lo + jnp.arange(hi - lo)
+    seen = k_at[None, :] <= q_at[:, None]
+    if window is not None:
+        seen &= q_at[:, None] - k_at[None, :] < window
+    mask = seen[None, None]
+    if segment_ids is not None:
+        assert kv_segment_ids is not None
+        same = segment_ids[:, :, None] == kv_segment_ids[:, None, lo:hi]
+        mask = mask & same[:, None]
+    out = jax.nn.dot_product_attention(
+        q, k[:, lo:hi], v[:, lo:hi], mask=mask, scale=scale, implementation=implementation
     )
     return out.astype(q.dtype)
 
@@ -579,6 +616,11 @@ def attend(
             sinks=sinks,
         )
     if kernel == "cudnn":
-        local = functools.partial(cudnn_attention, scale=scale, window=window)
+        # On CPU, jax's XLA form of the very same call (as splash's interpret mode).
+        how = {"implementation": "cudnn" if platform != "cpu" else "xla"}
+        if sharding.context_size() > 1:
+            local = functools.partial(cudnn_chunk, scale=scale, window=window, **how)
+            return _per_context_chunk(q, k, v, segment_ids, None, local)
+        local = functools.partial(cudnn_attention, scale=scale, window=window, **how)
         return per_shard(local, q, k, v, segment_ids)
     return xla_attention(q, k, v, segment_ids, scale, window, sinks)

@@ -62,8 +62,8 @@ import jax  # noqa: E402
 from gpu_check import SIZES  # noqa: E402
 from step_overhead import runtime_step  # noqa: E402
 
-from jobspec.load import merge, parse_run_config  # noqa: E402
-from runtime.model import attention as attention_module  # noqa: E402
+from jobspec.files.run_toml import merge, parse_run_config  # noqa: E402
+from runtime.model.attention import kernels as attention_module  # noqa: E402
 from runtime.model.flops import flops_per_token  # noqa: E402
 from runtime.run.artifacts import device_peak  # noqa: E402
 

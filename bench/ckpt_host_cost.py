@@ -38,8 +38,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jobspec.run_store import ArtifactStore  # noqa: E402
-from runtime.run import checkpoint, checksums  # noqa: E402
+from runfolder.store import ArtifactStore  # noqa: E402
+from runtime.run import checksums  # noqa: E402
+from runtime.run.checkpoint import orbax_manager  # noqa: E402
+from runtime.run.checkpoint.service import CheckpointService  # noqa: E402
 from runtime.run.meta import CheckpointMeta  # noqa: E402
 
 
@@ -119,7 +121,7 @@ def _ms(times: list[float]) -> dict:
 
 
 def measure(variant: str, mb: int, folder: str, probe_ms: float) -> dict:
-    checkpoint.COMPRESS = variant == "zstd"
+    orbax_manager.COMPRESS = variant == "zstd"
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
     state = make_state(mb)
@@ -128,7 +130,7 @@ def measure(variant: str, mb: int, folder: str, probe_ms: float) -> dict:
     idle = [probe.once() for _ in range(40)]
     probe_cpu = (_cpu() - c0) / len(idle)  # XLA runs the probe on threads of its own
     store = ArtifactStore(os.path.join(folder, "run"))
-    ckpt = checkpoint.CheckpointService(store, keep=2, async_save=True)
+    ckpt = CheckpointService(store, keep=2, async_save=True)
     meta = CheckpointMeta(step=1, tokens=0, rng=[0, 0], decay_steps=1, config={})
     threads0, main0 = thread_cpu(), time.thread_time()
     cpu0, t0 = _cpu(), time.perf_counter()
@@ -178,7 +180,7 @@ def _restore(store: ArtifactStore, state: dict) -> tuple[float, float]:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree
         )
 
-    ckpt = checkpoint.CheckpointService(store, keep=2, read_only=True)
+    ckpt = CheckpointService(store, keep=2, read_only=True)
     c0, t0 = _cpu(), time.perf_counter()
     got = ckpt.restore(
         1, params_target=target(state["params"]), opt_state_target=target(state["opt_state"])

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_overhead,
 
 from runtime.data.loader import TokenBatches  # noqa: E402
 from runtime.data.manifest import load_manifest  # noqa: E402
-from runtime.data.prepare import prepare_dataset  # noqa: E402
+from runtime.data.prepare.build import prepare_dataset  # noqa: E402
 
 WARMUP_STEPS = 5  # thread start-up and the first epoch permutation are not throughput
 
@@ -155,7 +155,7 @@ def _step_tokens_per_s(config: str, seq_len: int, batch: int) -> float:
     """The runtime train step's own consumption for the same rows per step and seq_len."""
     from step_overhead import measure_step
 
-    from jobspec.load import load_run_config
+    from jobspec.files.run_toml import load_run_config
 
     over = {"training": {"seq_len": seq_len, "global_batch_size": batch},
             "model": {"max_position_embeddings": max(seq_len, 512)}}  # fmt: skip

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_overhead,
 
 from step_overhead import baseline_step, runtime_step, time_steps  # noqa: E402
 
-from jobspec.load import parse_run_config  # noqa: E402
+from jobspec.files.run_toml import parse_run_config  # noqa: E402
 from runtime.model.build import build_model  # noqa: E402
 from runtime.model.flops import flops_per_token  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402

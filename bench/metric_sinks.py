@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from jobspec.run_config import MetricsConfig
-from jobspec.run_store import ArtifactStore
+from runfolder.store import ArtifactStore
 from runtime.observe.ledger import TimeLedger
 from runtime.observe.sinks import MetricSinks
 

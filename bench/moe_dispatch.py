@@ -1,7 +1,7 @@
 """Times one MoE expert layer, dense dispatch vs sparse, forward + backward, in one process.
 
 Dense: every expert on every token, weighted by the [tokens, experts] combine matrix (what
-`model.moe_dispatch = "dense"` runs). Sparse: `runtime/model/moe_dispatch.py` on one device (sort
+`model.moe_dispatch = "dense"` runs). Sparse: `runtime/model/moe/dispatch.py` on one device (sort
 by expert, grouped matmuls: megablox on TPU, `lax.ragged_dot` elsewhere), no exchange. Prints one
 JSON row: seconds per call of each (median of --repeats), their ratio, and the largest
 difference between the two outputs and input gradients (the same math, so rounding only).
@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runtime.model import moe_dispatch  # noqa: E402
+from runtime.model.moe import dispatch as moe_dispatch  # noqa: E402
 from runtime.model.sharding import target_platform  # noqa: E402
 
 

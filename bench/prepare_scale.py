@@ -4,7 +4,7 @@ input grows, and the loader's tokens/s from gs:// (a GCS emulator) against the t
     python bench/prepare_scale.py [--mb 16] [--skip-gcs]
 
 Prints one JSON object. Everything is made here: a synthetic corpus of JSONL files, a byte-level
-BPE tokenizer trained on a sample of it (runtime/data/bpe.py), then:
+BPE tokenizer trained on a sample of it (runtime/data/prepare/bpe.py), then:
   prepare   the same inputs with workers=1 and workers=2, in this process one after the other
             (TOKENIZERS_PARALLELISM=false: one worker is one core); the datasets must be equal
   memory    peak RSS of a child process preparing one .jsonl.zst file and one parquet file of
@@ -69,7 +69,7 @@ def write_jsonl_files(folder: str, mb: int) -> list[str]:
 
 
 def bench_prepare(inputs: str, tokenizer: str, tmp: str) -> dict:
-    from runtime.data.prepare import prepare_dataset
+    from runtime.data.prepare.build import prepare_dataset
 
     out = {}
     prints = {}
@@ -143,7 +143,7 @@ def bench_gcs(local_manifest: str, tmp: str, steps: int) -> dict:
         os.environ.update(STORAGE_EMULATOR_HOST=host, EPATH_USE_TF="false")
         from data_throughput import _step_tokens_per_s
 
-        from jobspec.storage import url_to_fs
+        from runfolder.storage import url_to_fs
         from runtime.data.loader import TokenBatches
         from runtime.data.manifest import load_manifest
 
@@ -174,12 +174,12 @@ def bench_gcs(local_manifest: str, tmp: str, steps: int) -> dict:
 
 def child(argv: list[str]) -> None:
     if argv[0] == "prepare":
-        from runtime.data.prepare import prepare_dataset
+        from runtime.data.prepare.build import prepare_dataset
 
         inp, tokenizer, out = argv[1:4]
         prepare_dataset([inp], tokenizer, out, workers=1, shard_tokens=1 << 20, progress=False)
     else:
-        import runtime.data.prepare  # noqa: F401  - the same imports, no work
+        import runtime.data.prepare.build  # noqa: F401  - the same imports, no work
     print(json.dumps({"maxrss_mb": _peak_rss_mb()}))
 
 
@@ -201,7 +201,7 @@ def main() -> None:
     ap.add_argument("--gcs-steps", type=int, default=30)
     ap.add_argument("--skip-gcs", action="store_true")
     args = ap.parse_args()
-    from runtime.data.bpe import train_bpe
+    from runtime.data.prepare.bpe import train_bpe
 
     with tempfile.TemporaryDirectory() as tmp:
         write_jsonl_files(os.path.join(tmp, "web"), args.mb)

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from runtime.data.loader import TokenBatches  # noqa: E402
 from runtime.data.manifest import load_manifest, read_offsets  # noqa: E402
-from runtime.data.prepare import prepare_dataset  # noqa: E402
+from runtime.data.prepare.build import prepare_dataset  # noqa: E402
 
 WARMUP_STEPS = 5
 FIELDS = ("advantages", "old_logprobs")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the multi-process harness the tests u
 
 from multihost import run_hosts  # noqa: E402
 
-from jobspec.load import merge, read_toml  # noqa: E402
+from jobspec.files.run_toml import merge, read_toml  # noqa: E402
 
 
 def layout(tmp: Path, procs: int, steps: int, base: dict) -> dict:

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jobspec.load import load_run_config
+from jobspec.files.run_toml import load_run_config
 from runtime.model.build import build_model
 from runtime.model.sharding import batch_sharding, build_mesh, replicated
 from runtime.train.loss import cross_entropy_sums

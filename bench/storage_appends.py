@@ -114,8 +114,8 @@ def main() -> None:
         try:
             _wait_until_up(proc, f"{host}/storage/v1/b")
             os.environ.update(STORAGE_EMULATOR_HOST=host, EPATH_USE_TF="false")
-            from jobspec.run_store import ArtifactStore, _dump_jsonl_row
-            from jobspec.storage import PART_BYTES
+            from runfolder.storage import PART_BYTES
+            from runfolder.store import ArtifactStore, _dump_jsonl_row
 
             part_bytes = args.part_bytes or PART_BYTES
             rel = "metrics/train.jsonl"

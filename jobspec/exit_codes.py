@@ -2,7 +2,7 @@
 on, and how the `launch` and `runtime` commands end.
 
 One table for both sides, here because `launch` (no jax) and `runtime` both import `jobspec`.
-The README's "Exit codes and restarts" table is this file in words; keep them together.
+docs/exit-codes.md's table is this file in words; keep them together.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Hugging Face `config.json` <-> `[model]` fields, for `model.init_from = "hf:PATH"` and export.
 
-No jax here: `jobspec/load.py` fills a run config's missing model keys from a model dir with
+No jax here: `jobspec/files/run_toml.py` fills a run config's missing model keys from a model dir with
 `model_fields_from_hf`, and `runtime/model/hf_weights.py` writes `config.json` with
 `hf_config_from_model`.
 Each family's own translation is its class in `jobspec/families/<family>.py`; this module finds

@@ -1,6 +1,6 @@
 """JobSpec: the `job.yaml` a user submits to any backend (local, slurm, k8s).
 
-Only this module and jobspec/load_job.py parse YAML. The run config it names is a RunConfig
+Only this module and jobspec/files/job_yaml.py parse YAML. The run config it names is a RunConfig
 (cfg.toml), given as a path relative to the job.yaml or inline; a job with `prepare:` instead of
 `run:` prepares a dataset on all of its hosts (jobspec/prepare_job.py). Nothing here imports jax.
 """
@@ -16,11 +16,11 @@ from jobspec.backends.k8s import K8sSection
 from jobspec.backends.local import LocalSection
 from jobspec.backends.section import BackendSection
 from jobspec.backends.slurm import SlurmSection
-from jobspec.catalogue import Accelerator, lookup
 from jobspec.errors import ConfigError
+from jobspec.files.secrets import find_secrets, refusal, secret_env_name
+from jobspec.hardware.catalogue import Accelerator, lookup
 from jobspec.prepare_job import PrepareSection
 from jobspec.run_config import RunConfig, check_dns_label
-from jobspec.secrets import find_secrets, refusal, secret_env_name
 from jobspec.section import NonNegativeInt, PositiveInt
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` passes "NAME\n"

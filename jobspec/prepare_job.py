@@ -2,7 +2,7 @@
 
 A job.yaml with `prepare:` instead of `run:` tokenizes its inputs on all of its hosts at once:
 host i of n writes the parts p with p % n == i, and host 0 writes the manifest once every part
-is there (README "Preparing on many hosts"). Its hosts read a small TOML, `[run]` (id,
+is there (docs/data.md, "Preparing on many hosts"). Its hosts read a small TOML, `[run]` (id,
 output_uri: where the run's own records and host logs go) and `[prepare]`; `runtime worker`
 tells it from a training run config by its top-level `[prepare]` table. Nothing here imports jax.
 """
@@ -17,10 +17,9 @@ import tomli_w
 from pydantic import Field, ValidationError, field_validator
 
 from jobspec.errors import ConfigError
-from jobspec.load import describe_validation_error, merge, read_toml
-from jobspec.run_config import RunSection, RuntimeConfig
+from jobspec.files.run_toml import describe_validation_error, merge, read_toml
+from jobspec.run_config import RunSection, RuntimeConfig, is_remote
 from jobspec.section import Section
-from jobspec.storage import is_remote
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _NOT_A_SIZE = "not a size; write it like 128M, 512K or 1G, or as a number of bytes"

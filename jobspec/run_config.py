@@ -1,6 +1,6 @@
 """RunConfig: the `cfg.toml` every host trains from.
 
-Section and key names are the documented contract (README "Config reference");
+Section and key names are the documented contract (docs/config.md, generated from these models);
 unknown keys are errors. Nothing here imports jax.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import PurePosixPath
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple, get_args
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -46,6 +46,12 @@ def check_dns_label(value: str, what: str, max_len: int = 63) -> str:
             "'-', starting and ending with a letter or digit"
         )
     return value
+
+
+def is_remote(uri: str) -> bool:
+    """Whether a location the configs name (run.output_uri, a data glob, a prepare folder) is a
+    URI of an object store (gs://...) rather than a path on this machine (`file://` is local)."""
+    return "://" in uri and not uri.startswith("file://")
 
 
 class RunSection(Section):
@@ -148,8 +154,12 @@ class PrepareConfig(Section):
     )
 
 
+# The orders a run reads its records in (data.order; runtime/data/order.py implements each).
+DataOrder = Literal["sequential", "shuffle", "document_buffer"]
+DATA_ORDERS: tuple[DataOrder, ...] = get_args(DataOrder)
+
 # Samples per mixture block: each block of a [[data.sources]] mixture holds every source's share of
-# it exactly (README "Mixtures"), so a source needs at least 1/MIXTURE_BLOCK of the total weight.
+# it exactly (docs/data.md, "Mixtures"), so a source needs at least 1/MIXTURE_BLOCK of the total weight.
 MIXTURE_BLOCK = 4096
 
 
@@ -199,13 +209,13 @@ class DataConfig(Section):
     sources: list[SourceConfig] | None = Field(
         None,
         min_length=1,
-        description='A weighted mixture of several manifests instead of data.manifest (README "Mixtures").',
+        description='A weighted mixture of several manifests instead of data.manifest (docs/data.md, "Mixtures").',
     )
     tokenizer: str | None = Field(
         None,
         description="Expected tokenizer id ('byte' or tokenizer.json path); must match the manifest's.",
     )
-    order: Literal["sequential", "shuffle", "document_buffer"] = Field(
+    order: DataOrder = Field(
         "shuffle",
         description=(
             "sequential: fixed windows in stream order; shuffle: the same windows permuted per epoch; "

@@ -19,18 +19,17 @@ import click
 
 from jobspec.cli import run_group
 from jobspec.errors import ConfigError, JaxjobError
-from jobspec.evals import eval_text
 from jobspec.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
-from jobspec.goodput import duration, goodput_line
+from jobspec.files.job_yaml import job_schema, load_job
 from jobspec.job_spec import JobSpec, check_mesh_fits
-from jobspec.load_job import job_schema, load_job
-from jobspec.run_status import closing_line
-from jobspec.storage import is_remote
+from jobspec.run_config import is_remote
 from launch.backend import TERMINAL, AlreadyRunningError, Backend, Submission
 from launch.backends import BACKENDS, backend_options, get_backend
 from launch.registry import Registry, RunRecord
 from launch.runid import new_run_id
 from launch.state import utc_now
+from runfolder.goodput import duration
+from runfolder.outcome import closing_line
 
 
 def prepare_submission(job_path: str, backend: str, registry: Registry) -> Submission:
@@ -120,7 +119,7 @@ def _fmt_attempt(st: dict[str, Any]) -> str:
 
 def _status(rec: RunRecord, st: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's state (`st`: the backend's status when the caller already has it)."""
-    from launch.progress import read_progress
+    from runfolder.view import read_progress
 
     if st is None:
         st = get_backend(rec.backend, rec.backend_options).status(rec.to_handle())
@@ -349,6 +348,8 @@ def render_cmd(
 def status_cmd(run: str, as_json: bool) -> None:
     """The backend's state of RUN and its progress (step, loss, evals, last event) from its
     artifacts."""
+    from runfolder.view import record_lines
+
     info = _status(Registry().lookup(run))
     if as_json:
         _print_json(info)
@@ -365,17 +366,10 @@ def status_cmd(run: str, as_json: bool) -> None:
     click.echo(f"progress    {_fmt_progress(progress)}")
     if progress.get("eta_s") is not None and info["state"] == "running":
         click.echo(f"eta         {duration(progress['eta_s'])} (at the recent step time)")
-    if progress.get("latest_eval"):
-        click.echo(f"latest eval {eval_text(progress['latest_eval'])}")
-    if progress.get("best_eval"):
-        click.echo(f"best eval   {eval_text(progress['best_eval'])}")
-    if progress.get("goodput"):
-        click.echo(f"goodput     {goodput_line(progress['goodput'])}")
-    event = progress.get("last_event")
-    if event:
-        click.echo(f"last event  {event.get('event')} at {event.get('time')}")
-    if progress.get("failure") and progress.get("status") in ("failed", "diverged"):
-        click.echo(f"failure     {progress['failure']}")
+    for line in record_lines(
+        progress, ("latest_eval", "best_eval", "goodput", "last_event", "failure"), 12
+    ):
+        click.echo(line)
     click.echo(f"artifacts   {info['run_uri']}")
 
 

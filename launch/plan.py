@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jobspec.load_job import load_job
+from jobspec.files.job_yaml import load_job
 
 
 def plan_command(

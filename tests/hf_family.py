@@ -63,7 +63,7 @@ def resume_is_exact(
     stopped after `split` steps (its checkpoint) and resumed: one program, one schedule, so every
     loss must be the same bits. `model`: more [model] keys. -> (the run config, the whole run's
     losses; its folder is runs / "whole")."""
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
     from runtime.train.loop import train
 
     losses = {}

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     import jax, numpy as np, optax
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
     from runtime.hf.convert import flat_params
     from runtime.model.build import build_model
     from runtime.model.sharding import build_mesh

@@ -1,6 +1,6 @@
 """Run N host processes on this machine as one jax.distributed CPU cluster.
 
-Each host gets the env contract (DESIGN.md, "The seam") with a coordinator on 127.0.0.1 at a
+Each host gets the env contract (docs/jobs-and-backends.md, "Multi-host") with a coordinator on 127.0.0.1 at a
 free port, `JAX_PLATFORMS=cpu` and `--xla_force_host_platform_device_count` for its devices.
 stdout/stderr go to files (pipes could fill up and block a host nobody is reading).
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from jobspec.load import merge
+from jobspec.files.run_toml import merge
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def corpus_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, corpus_dir) -> str:
     """A prepared byte-tokenizer manifest shared by the session's runs."""
-    from runtime.data.prepare import prepare_dataset
+    from runtime.data.prepare.build import prepare_dataset
 
     out = tmp_path_factory.mktemp("data")
     prepare_dataset([str(corpus_dir / "*.txt")], "byte", str(out), val_fraction=0.1)

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
-from runtime.model import attention, sharding
+from runtime.model import sharding
+from runtime.model.attention import kernels as attention
 
 T = 256  # two splash blocks of 128: block skipping and cross-block segments are exercised
 D = 32

@@ -40,8 +40,8 @@ def cli(capsys, *args: str) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, prepared, corpus_dir):
     """A finished 2-step run to resume from, a second data set, and a tokenizer.json data set."""
-    from jobspec.load import parse_run_config
-    from runtime.data.prepare import prepare_dataset
+    from jobspec.files.run_toml import parse_run_config
+    from runtime.data.prepare.build import prepare_dataset
     from runtime.train.loop import train
 
     root = tmp_path_factory.mktemp("bad")
@@ -186,7 +186,7 @@ def test_incompatible_resume_names_the_field(case, world, tmp_path, capsys):
         change = {"data": {"manifest": world["other_manifest"]}}
     elif change == "hf":
         change = {"data": {"manifest": world["hf_manifest"], "tokenizer": world["tokenizer"]}}
-    from jobspec.load import merge
+    from jobspec.files.run_toml import merge
 
     cfg = merge(world["base"], change)
     cfg["training"]["target_tokens"] = 16 * 8 * 50

@@ -15,17 +15,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jobspec.errors import CheckpointError
-from jobspec.run_dir import CHECKPOINT_INDEX as INDEX
-from jobspec.run_store import ArtifactStore
-from jobspec.storage import DEFAULT_RETRY, RetryPolicy
-from runtime.run.checkpoint import (
-    CheckpointService,
-    UnreadableCheckpointError,
-    bound_tensorstore_retries,
-    load_index,
-    short_cause,
-    tensorstore_retries,
-)
+from runfolder.layout import CHECKPOINT_INDEX as INDEX
+from runfolder.storage import DEFAULT_RETRY, RetryPolicy
+from runfolder.store import ArtifactStore
+from runtime.run.checkpoint.errors import UnreadableCheckpointError, short_cause
+from runtime.run.checkpoint.gcs_setup import bound_tensorstore_retries, tensorstore_retries
+from runtime.run.checkpoint.index import load_index
+from runtime.run.checkpoint.service import CheckpointService
 from runtime.run.meta import CheckpointMeta
 
 FINGERPRINT = {"model.hidden_size": 8, "data.manifest": "abc"}
@@ -152,8 +148,8 @@ def test_a_save_says_how_long_it_waited_for_the_one_before(
     retention), which the loop reports beside the whole pause."""
     import types
 
-    from runtime.run import checkpoint as checkpoint_module
     from runtime.run import checksums
+    from runtime.run.checkpoint import service as checkpoint_module
 
     clock = [0.0]
     monkeypatch.setattr(
@@ -340,13 +336,14 @@ def test_read_only_service_leaves_a_live_save_alone(tmp_path) -> None:
     assert live.exists()
 
 
-def test_the_service_owns_the_save_cadence(tmp_path) -> None:
-    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=5, async_save=False,
-                            every=3, last_step=9)  # fmt: skip
+def test_the_loop_saves_at_the_cadence_steps(tmp_path) -> None:
+    from runtime.train.cadence import checkpoint_due
+
+    svc = CheckpointService(ArtifactStore(str(tmp_path / "run")), keep=5, async_save=False)
     params, opt_state = make_state()
     due: list[int] = []
     for step in range(1, 10):
-        if svc.due(step):  # as the train loop asks (runtime/train/cadence.py), then saves
+        if checkpoint_due(step, every=3, last_step=9):  # as the train loop asks, then saves
             due.append(step)
             assert svc.save(step, params=params, opt_state=opt_state, meta=meta(step))
     # Every third step before the last; the last step's save is the caller's final one.
@@ -541,7 +538,7 @@ def test_a_failed_restore_quiets_only_the_abandoned_reads(caplog):
     import logging
     import warnings
 
-    from runtime.run.checkpoint import _quiet_abandoned_futures
+    from runtime.run.checkpoint.log_filters import quiet_abandoned_futures
 
     log = logging.getLogger("asyncio")
     with caplog.at_level(logging.ERROR, logger="asyncio"):
@@ -552,7 +549,7 @@ def test_a_failed_restore_quiets_only_the_abandoned_reads(caplog):
     assert [r.getMessage().split("=", 1)[1] for r in caplog.records] == ["ValueError('ours')>"]
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
-        _quiet_abandoned_futures()
+        quiet_abandoned_futures()
         warnings.warn("coroutine 'Store._get_array_metadatas' was never awaited", RuntimeWarning,
                       stacklevel=1)  # fmt: skip
         warnings.warn("something else", RuntimeWarning, stacklevel=1)

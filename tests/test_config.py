@@ -1,4 +1,4 @@
-"""The run-config contract: shipped configs, README reference, overrides, FLOPs and peaks."""
+"""The run-config contract: shipped configs, the config reference, overrides, FLOPs and peaks."""
 
 from __future__ import annotations
 
@@ -15,16 +15,22 @@ import tomli_w
 import yaml
 from flax import nnx
 
-from jobspec.accelerators import peak_bf16_flops
-from jobspec.catalogue import lookup
-from jobspec.docs import readme_block
+from jobspec.docs import PAGE, reference_block
 from jobspec.errors import ConfigError
 from jobspec.families.model_config import ModelConfig
+from jobspec.files.job_yaml import load_job
+from jobspec.files.run_toml import (
+    load_run_config,
+    parse_run_config,
+    read_toml,
+    resolved_dict,
+    to_toml,
+)
+from jobspec.hardware.catalogue import lookup
+from jobspec.hardware.peaks import peak_bf16_flops
 from jobspec.hf_config import hf_config_from_model, model_fields_from_hf
 from jobspec.job_spec import check_mesh_fits
-from jobspec.load import load_run_config, parse_run_config, read_toml, resolved_dict, to_toml
-from jobspec.load_job import load_job
-from runtime.commands.cli import _overrides
+from runtime.commands.common import overrides
 from runtime.model.flops import flops_per_token, parameter_counts
 from runtime.model.qwen3.decoder import Qwen3Decoder
 from runtime.run.compat import fingerprint
@@ -40,10 +46,10 @@ def test_shipped_configs_validate(path: Path):
     assert parse_run_config(tomllib.loads(to_toml(cfg))) == cfg  # serialise round trip
 
 
-def test_readme_reference_is_current():
-    readme = (ROOT / "README.md").read_text()
-    assert readme_block() in readme, (
-        "README config reference is stale: run `python -m jobspec.docs --write`"
+def test_config_reference_is_current():
+    assert PAGE == ROOT / "docs" / "config.md"
+    assert reference_block() in PAGE.read_text(), (
+        "docs/config.md's config reference is stale: run `python -m jobspec.docs --write`"
     )
 
 
@@ -57,7 +63,7 @@ def test_smoke_resume_continues_smoke():
 
 
 def test_overrides_parse_toml_literals():
-    assert _overrides(
+    assert overrides(
         ("training.target_tokens=2000", "data.order=sequential", "model.tie_word_embeddings=false")
     ) == {
         "training": {"target_tokens": 2000},
@@ -348,7 +354,7 @@ def test_model_files_match_the_published_parameter_counts(name):  # Qwen3
     m = ModelConfig.model_validate(data["model"])
     assert (m.vocab_size, m.head_dim, m.max_position_embeddings) == (151936, 128, 40960)
     assert m.tie_word_embeddings == (name in TIED)
-    # remat "auto" where the preset was measured on a chip (README "On a TPU v5e chip").
+    # remat "auto" where the preset was measured on a chip (docs/performance.md).
     remat = "auto" if name == "qwen3-0.6b.toml" else "full"
     assert (m.param_dtype, m.compute_dtype, m.remat) == ("float32", "bfloat16", remat)
     counts = parameter_counts(m)

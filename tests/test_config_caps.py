@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-import jobspec.load
+import jobspec.files.run_toml
 from jobspec.errors import ConfigError
-from jobspec.load import (
+from jobspec.files.job_yaml import load_job
+from jobspec.files.run_toml import (
     MAX_RUN_CONFIG_BYTES,
     MAX_RUN_CONFIG_DEPTH,
     load_run_config,
     parse_run_config,
     toml_loads,
 )
-from jobspec.load_job import load_job
-from runtime.commands.cli import _overrides
+from runtime.commands.common import overrides
 
 from runs import ROOT, run_cli, stderr_lines, tiny_config, write_config
 
@@ -56,7 +56,7 @@ def _no_tomllib(monkeypatch) -> None:
     def refuse(*_a, **_k):
         raise AssertionError("tomllib read text that a cap should have refused first")
 
-    monkeypatch.setattr(jobspec.load.tomllib, "loads", refuse)
+    monkeypatch.setattr(jobspec.files.run_toml.tomllib, "loads", refuse)
 
 
 @pytest.mark.parametrize("form", sorted(NESTED))
@@ -164,12 +164,12 @@ def test_includes_that_add_up_past_1_mib_are_refused_for_the_hosts(tmp_path):
 
 def test_a_set_value_nested_too_deep_is_one_sentence():
     with pytest.raises(ConfigError, match=r"^--set model\.x: tables and arrays nest more than 100"):
-        _overrides(("model.x=" + "[" * DEEP + "]" * DEEP,))
+        overrides(("model.x=" + "[" * DEEP + "]" * DEEP,))
 
 
 def test_a_set_key_nested_too_deep_names_the_key(tmp_path):
     path = write_config(tmp_path / "c.toml", tiny_config("m/manifest.json", "out"))
-    sets = _overrides(("model" + ".x" * DEEP + "=1",))
+    sets = overrides(("model" + ".x" * DEEP + "=1",))
     with pytest.raises(ConfigError, match=r"c\.toml: model\.x\.x\.x…: tables and arrays nest"):
         load_run_config(path, sets)
 

@@ -15,13 +15,13 @@ import textwrap
 import pytest
 from mesh_step import same_step_on_meshes
 
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 
 from runs import ROOT, user_env, xla_flags
 
 _TINY = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
              head_dim=16, intermediate_size=96, max_position_embeddings=64)  # fmt: skip
-#: The sparse dispatch: its token rows split over context too (runtime/model/moe_dispatch.py).
+#: The sparse dispatch: its token rows split over context too (runtime/model/moe/dispatch.py).
 _MOE = {**_TINY, "family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "moe_dispatch": "sparse"}  # fmt: skip
 #: Gated DeltaNet and gated attention layers, the recurrence in chunks of 4 across the shards.
@@ -105,7 +105,8 @@ _SPLASH = textwrap.dedent(
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
     from jobspec.run_config import MeshConfig
-    from runtime.model import attention, context_parallel
+    from runtime.model.attention import context_parallel
+    from runtime.model.attention import kernels as attention
     from runtime.model.sharding import build_mesh, on_mesh
 
     attention.BLOCKWISE_FROM = 512
@@ -151,7 +152,7 @@ _SPLASH = textwrap.dedent(
 def test_attention_with_the_sequence_split_matches_one_device():
     # splash in Pallas interpret mode on CPU: the kernels' chunks (128 tokens, two per device)
     # at their causal offsets, with a window, sinks, packed documents and heads over tensor;
-    # xla with the keys a block at a time (attention_blockwise.py, as on GPUs; from 512 tokens
+    # xla with the keys a block at a time (attention/blockwise.py, as on GPUs; from 512 tokens
     # here instead of BLOCKWISE_FROM, to keep the test small).
     # cudnn through jax's XLA form of the same calls: one per chunk, the offset as a mask.
     cases = [({"context": 2, "tensor": 2}, 512, 128, True, True, "splash"),
@@ -173,8 +174,8 @@ def test_blockwise_attention_is_the_einsum_path():
     import jax.numpy as jnp
     import numpy as np
 
-    from runtime.model import attention
-    from runtime.model.attention_blockwise import blockwise_attention
+    from runtime.model.attention import kernels as attention
+    from runtime.model.attention.blockwise import blockwise_attention
 
     rng = np.random.default_rng(0)
     q, w = (jnp.asarray(rng.normal(size=(2, 256, 4, 16)), jnp.float32) for _ in range(2))

@@ -21,7 +21,7 @@ from runtime.data.loader import (
     train_batches,
 )
 from runtime.data.manifest import check_manifest, load_manifest, read_offsets
-from runtime.data.prepare import expand_inputs, prepare_dataset
+from runtime.data.prepare.build import expand_inputs, prepare_dataset
 from runtime.data.sources import TokenStream
 from runtime.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_id_for
 
@@ -519,7 +519,7 @@ def test_a_failing_input_read_is_said_as_a_read_not_a_write():
     """Inputs are read lazily while the shards are written: a read that fails is the input's
     problem (exit 2) or a storage fault (45), never "cannot write the dataset"."""
     from jobspec.errors import StorageFaultError
-    from runtime.data.parts import next_document as _next_document
+    from runtime.data.prepare.parts import next_document as _next_document
 
     def failing(exc: Exception):
         raise exc
@@ -657,7 +657,7 @@ def _fail_with(kind: str, tmp_path: Path, monkeypatch) -> tuple[list[str], type]
         return [str(_write(src, "blank.txt", ""))], DataError
     if kind == "bad input":
         return [str(_write(src, "a.jsonl", '{"body": "no text field"}\n'))], DataError
-    import runtime.data.prepare as prepare_mod
+    import runtime.data.prepare.build as prepare_mod
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -697,7 +697,7 @@ def test_a_failed_prepare_keeps_the_folders_it_found(tmp_path, monkeypatch, kind
 
 
 def test_a_failed_prepare_keeps_what_others_put_in_its_new_folder(tmp_path, monkeypatch):
-    import runtime.data.prepare as prepare_mod
+    import runtime.data.prepare.build as prepare_mod
 
     out = tmp_path / "new" / "ds"
 
@@ -723,7 +723,7 @@ def test_a_failed_prepare_on_fsspec_removes_its_new_folder(tmp_path):
 
 @pytest.mark.gcs
 def test_a_failed_prepare_on_gcs_leaves_no_objects(tmp_path, gs_run_uri):
-    from jobspec.storage import url_to_fs
+    from runfolder.storage import url_to_fs
 
     blank = str(_write(tmp_path, "blank.txt", ""))
     with pytest.raises(DataError, match="hold no text"):

@@ -1,4 +1,4 @@
-"""runtime.data.readers: the documents of text, JSONL and parquet inputs (plain, .gz, .zst),
+"""runtime.data.prepare.readers: the documents of text, JSONL and parquet inputs (plain, .gz, .zst),
 streamed with bounded memory, and one DataError sentence naming the file for each bad input."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import zstandard
 
 from jobspec.errors import DataError
-from jobspec.storage import url_to_fs
-from runtime.data.jsonl import json_objects
-from runtime.data.readers import TEXT_FIELD, compression_of, input_kind, read_documents
+from runfolder.storage import url_to_fs
+from runtime.data.prepare.jsonl import json_objects
+from runtime.data.prepare.readers import TEXT_FIELD, compression_of, input_kind, read_documents
 
 DOCS = ["first doc", "", "ünïcödé ✓", "line one\nline two"]
 

@@ -173,7 +173,7 @@ def test_config_json_round_trip_and_counts(built):
 
 def test_the_sparse_moe_dispatch_matches_transformers(built):
     """The same imported weights through the sparse MoE dispatch (sorted tokens, grouped
-    matmuls; runtime/model/moe_dispatch.py) instead of the dense one."""
+    matmuls; runtime/model/moe/dispatch.py) instead of the dense one."""
     src, _, _, dense = built("lora-yarn")
     _, model = imported(src, moe_dispatch="sparse", scan_layers=SCANNED["lora-yarn"])
     ours = logits_of(model, BATCH)
@@ -227,7 +227,7 @@ def test_the_router_bias_is_hf_s_and_moves_only_moe_layers(built):
     """The imported router bias is the checkpoint's e_score_correction_bias (not a parameter);
     the aux-loss-free update moves it on MoE layers only (the scanned MoE group's stacked
     bias), one loads row per MoE layer."""
-    from runtime.model.moe import update_router_bias
+    from runtime.model.moe.layer import update_router_bias
 
     src, _, model, _ = built("lora-yarn")
     bias = read_safetensors(src)["model.layers.1.mlp.gate.e_score_correction_bias"]
@@ -292,7 +292,7 @@ def _model_table(d: dict | None = None, **top) -> dict:
     ],
 )  # fmt: skip
 def test_bad_deepseek_settings_are_one_sentence_naming_the_field(tmp_path, d, top, message):
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
 
     raw = tiny_config(str(tmp_path / "m.json"), str(tmp_path / "runs"))
     raw["model"] = {k: v for k, v in _model_table(d, **top).items() if v is not None}

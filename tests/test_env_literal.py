@@ -15,7 +15,7 @@ import pytest
 import yaml
 from kubelet import expand
 
-from jobspec.load_job import load_job, run_with_id
+from jobspec.files.job_yaml import load_job, run_with_id
 from launch.backend import Submission
 from launch.backends.k8s.backend import K8sBackend
 from launch.backends.k8s.render import PROCESS_ID_SCRIPT, literal, render_manifests

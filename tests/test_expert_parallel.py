@@ -34,7 +34,7 @@ _DISPATCH = textwrap.dedent(
     import json, math
     import jax, jax.numpy as jnp, numpy as np
     from jobspec.run_config import MeshConfig
-    from runtime.model import moe_dispatch as md
+    from runtime.model.moe import dispatch as md
     from runtime.model.sharding import activation_mesh, build_mesh
 
     rng = np.random.default_rng(0)
@@ -204,7 +204,7 @@ def ep_runs(tmp_path_factory, prepared) -> dict[str, Path]:
 
 
 def _ep_config(tmp: Path, prepared: str, hf: Path, layout: str, mesh: dict, **over) -> Path:
-    from jobspec.load import merge
+    from jobspec.files.run_toml import merge
 
     cfg = tiny_config(
         prepared, str(tmp / layout), run_id="ep",
@@ -299,7 +299,7 @@ def test_hf_export_is_the_same_on_every_expert_layout(ep_runs) -> None:
 
 
 def test_capacity_factor_counts_the_dropped_assignments_in_the_train_step() -> None:
-    from runtime.model.moe import route
+    from runtime.model.moe.layer import route
     from runtime.model.registry import build_model_module
     from runtime.train.state import TrainState
     from runtime.train.step import make_train_step
@@ -392,7 +392,7 @@ def test_a_mesh_that_does_not_match_the_devices_names_mesh_expert(tmp_path, prep
     ],
 )
 def test_the_dispatch_is_chosen_by_platform_and_mesh(setting, cf, shards, platform, expected):
-    from runtime.model.moe_dispatch import resolve
+    from runtime.model.moe.dispatch import resolve
 
     d = resolve(setting, cf, shards, platform)
     assert (d.kind, d.exchange, d.matmul) == expected

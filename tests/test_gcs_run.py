@@ -47,7 +47,7 @@ def test_run_resume_and_inspect_on_gcs(tmp_path, corpus_dir, orbax_gs_run_uri):
     assert rep["latest_checkpoint"] == 20 and rep["checkpoints"][-1] == 20
     assert rep["best_eval"]["name"] == "val"
 
-    from jobspec.storage import list_parts, read_parted, url_to_fs
+    from runfolder.storage import list_parts, read_parted, url_to_fs
 
     fs, root = url_to_fs(f"{runs}/gcs")
     fs.invalidate_cache()

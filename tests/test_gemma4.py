@@ -155,7 +155,7 @@ def test_logit_parity_and_exact_round_trip(tmp_path, case):
     ours = np.asarray(model(jnp.asarray(BATCH), positions_of(BATCH)))
     assert ours.shape == ref.shape
     assert np.max(np.abs(ours - ref)) < TOL, np.max(np.abs(ours - ref))
-    if cfg.routed_experts:  # the sparse MoE dispatch (runtime/model/moe_dispatch.py) too
+    if cfg.routed_experts:  # the sparse MoE dispatch (runtime/model/moe/dispatch.py) too
         _, sparse = imported(src, moe_dispatch="sparse")
         got = np.asarray(sparse(jnp.asarray(BATCH), positions_of(BATCH)))
         assert np.max(np.abs(got - ref)) < TOL, np.max(np.abs(got - ref))
@@ -320,7 +320,7 @@ def _model_table(**gemma4) -> dict:
     ],
 )  # fmt: skip
 def test_bad_gemma4_settings_are_one_sentence_naming_the_field(tmp_path, gemma4, top, message):
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
 
     from runs import tiny_config
 
@@ -359,7 +359,7 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     untouched by training), and greedy sampling equals transformers' greedy generate. (Export
     and sample run in this process: `runtime export hf` and `runtime sample` as a user runs them
     are tests/test_hf.py's and tests/test_train.py's.)"""
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
     from runtime.commands.hf import export_checkpoint
     from runtime.commands.offline import restore_checkpoint, sample_checkpoint
     from runtime.train.loop import train

@@ -28,12 +28,12 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.families.model_config import ModelConfig  # noqa: E402
+from jobspec.files.run_toml import read_toml  # noqa: E402
 from jobspec.hf_config import hf_config_from_model, model_fields_from_hf  # noqa: E402
-from jobspec.load import read_toml  # noqa: E402
 from runtime.hf.convert import flat_params, model_config_from_hf  # noqa: E402
 from runtime.hf.files import read_safetensors  # noqa: E402
 from runtime.hf.mxfp4 import E2M1, dequantize  # noqa: E402
-from runtime.model import attention  # noqa: E402
+from runtime.model.attention import kernels as attention  # noqa: E402
 from runtime.model.flops import flops_per_token, parameter_counts  # noqa: E402
 from runtime.model.hf_weights import hf_from_params, write_hf  # noqa: E402
 
@@ -147,7 +147,7 @@ def test_each_feature_moves_the_logits(built, case):
 
 def test_the_sparse_moe_dispatch_matches_transformers(built):
     """The same weights through the sparse dispatch (grouped matmuls with the expert biases and
-    the clamped activation as options of runtime/model/moe_dispatch.py)."""
+    the clamped activation as options of runtime/model/moe/dispatch.py)."""
     src, _, _, dense = built("yarn")
     _, model = imported(src, moe_dispatch="sparse")
     ours = logits_of(model, BATCH)
@@ -526,7 +526,7 @@ def _model_table(**g) -> dict:
     ],
 )  # fmt: skip
 def test_bad_gpt_oss_settings_are_one_sentence_naming_the_field(tmp_path, g, top, message):
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
 
     from runs import tiny_config
 

@@ -17,7 +17,7 @@ from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
-from jobspec.load import parse_run_config  # noqa: E402
+from jobspec.files.run_toml import parse_run_config  # noqa: E402
 from runtime.commands.hf import import_to_run  # noqa: E402
 from runtime.hf.convert import flat_params, model_config_from_hf  # noqa: E402
 from runtime.hf.export_dir import MARKER  # noqa: E402
@@ -244,7 +244,7 @@ def test_finetune_from_hf_then_export(tmp_path, prepared):
 
 
 def test_import_with_config_then_resume(tmp_path, prepared):
-    from jobspec.load import load_run_config
+    from jobspec.files.run_toml import load_run_config
     from runtime.train.loop import train
 
     src = _hf_model(tmp_path / "hf", tied=True, vocab=260, max_position_embeddings=64)

@@ -1,6 +1,7 @@
-"""The project's own imports point one way: no cycles; launch and jobspec never reach jax or
-runtime, and jobspec (the contract both sides read) never reaches launch; inside runtime/ every
-import points down the README's package order. Read from the source with ast, so lazy imports
+"""The project's own imports point one way: no cycles; launch, runfolder and jobspec never reach
+jax or runtime; jobspec (the contract every side reads) never reaches runfolder or launch, and
+runfolder (the run folder, above jobspec) never reaches launch; inside runtime/ every import
+points down the package order in docs/layout.md. Read from the source with ast, so lazy imports
 inside functions (and type-only imports) count too."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from runs import ROOT
 
-PACKAGES = ("jobspec", "runtime", "launch")
+PACKAGES = ("jobspec", "runfolder", "runtime", "launch")
 
 
 def _module_name(path: Path, root: Path = ROOT) -> str:
@@ -100,30 +101,35 @@ def test_no_import_cycle_in_the_project() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_launch_and_jobspec_stay_jax_free_and_never_import_runtime() -> None:
+# The jax-free packages, each with the project's packages above it that it must not import.
+JAX_FREE = {"jobspec": {"runfolder", "launch"}, "runfolder": {"launch"}, "launch": set()}
+
+
+def test_launch_runfolder_and_jobspec_stay_jax_free_and_never_import_runtime() -> None:
     banned = {"jax", "jaxlib", "flax", "optax", "orbax", "grain", "runtime"}
     bad = []
-    for pkg in ("jobspec", "launch"):
+    for pkg, above in JAX_FREE.items():
         for path in (ROOT / pkg).rglob("*.py"):
             for name in _imports(path, _module_name(path)):
                 top = name.split(".")[0]
-                if top in banned or (pkg == "jobspec" and top == "launch"):
+                if top in banned or top in above:
                     bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, bad
 
 
-# The table under "Inside `runtime/` ... imports point down this list" in the README's Layout.
+# The table under "Inside `runtime/` ... imports point down this list" in docs/layout.md.
+LAYOUT = ROOT / "docs" / "layout.md"
 ORDER_INTRO = "imports point down this list"
 ORDER_ROW = re.compile(r"\| `runtime/(\w+)/` \|")
 
-# Imports up the order that exist today, each to be removed by the restructure that owns it
-# (issue 29): delete a pair here once its import is gone (the test fails on a stale pair).
+# Imports up the order that exist today, each to be removed by the restructure that owns it:
+# delete a pair here once its import is gone (the test fails on a stale pair).
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def runtime_order() -> list[str]:
-    """The runtime packages in the README's Layout table, top to bottom."""
-    lines = (ROOT / "README.md").read_text().splitlines()
+    """The runtime packages in the layout page's table, top to bottom."""
+    lines = LAYOUT.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if ORDER_INTRO in line)
     order: list[str] = []
     for line in lines[start + 1 :]:
@@ -152,16 +158,16 @@ def upward_imports(order: list[str], root: Path = ROOT) -> set[tuple[str, str]]:
     return out
 
 
-def test_the_readme_lists_every_runtime_package_once() -> None:
+def test_the_layout_lists_every_runtime_package_once() -> None:
     order = runtime_order()
     packages = {p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").is_file()}
     assert len(order) == len(set(order)) and set(order) == packages, (order, sorted(packages))
 
 
-def test_runtime_imports_point_down_the_readme_order() -> None:
+def test_runtime_imports_point_down_the_layout_order() -> None:
     found = upward_imports(runtime_order())
     new = sorted(found - KNOWN_UPWARD)
-    assert not new, "imports up the README's runtime package order: " + ", ".join(
+    assert not new, "imports up the runtime package order in docs/layout.md: " + ", ".join(
         f"{module} imports runtime.{pkg}" for module, pkg in new
     )
     stale = sorted(KNOWN_UPWARD - found)

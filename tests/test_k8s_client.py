@@ -27,7 +27,7 @@ client = pytest.importorskip(
 
 import yaml  # noqa: E402
 
-from jobspec.load_job import load_job, run_with_id  # noqa: E402
+from jobspec.files.job_yaml import load_job, run_with_id  # noqa: E402
 from launch import cli as launch_cli  # noqa: E402
 from launch.backend import Handle, Submission  # noqa: E402
 from launch.backends.k8s.backend import K8sBackend  # noqa: E402

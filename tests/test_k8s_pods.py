@@ -21,8 +21,8 @@ import yaml
 from kubelet import expand
 from multihost import free_port
 
+from jobspec.files.job_yaml import load_job, run_with_id
 from jobspec.job_spec import check_mesh_fits
-from jobspec.load_job import load_job, run_with_id
 from launch.backend import Submission
 from launch.backends.k8s.backend import saved_logs
 from launch.backends.k8s.render import CONFIG_DIR, coordinator_host, render_manifests

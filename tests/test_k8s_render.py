@@ -21,8 +21,8 @@ import yaml
 
 from jobspec.errors import ConfigError
 from jobspec.exit_codes import is_restartable
+from jobspec.files.job_yaml import load_job, run_with_id
 from jobspec.job_spec import JobSpec
-from jobspec.load_job import load_job, run_with_id
 from launch.backend import Submission
 from launch.backends.k8s.backend import K8sBackend
 from launch.backends.k8s.render import (

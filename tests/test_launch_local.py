@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jobspec.files.job_yaml import load_job
+from jobspec.files.run_toml import merge
 from jobspec.job_spec import check_mesh_fits
-from jobspec.load import merge
-from jobspec.load_job import load_job
 from launch import cli as launch_cli
 from launch.backend import Handle
 from launch.backends.local import LocalBackend
@@ -107,7 +107,7 @@ def finished(tmp_path_factory, prepared):
     """One 2-process run submitted with --wait, shared by the read-only tests below; it profiles
     steps 7..8, writes TensorBoard files, and trains on a mixture of two sources with an eval
     every 6 steps."""
-    from runtime.data.prepare import prepare_dataset
+    from runtime.data.prepare.build import prepare_dataset
 
     tmp = tmp_path_factory.mktemp("launch")
     state = tmp / "state"
@@ -198,7 +198,7 @@ def test_status_shows_latest_and_best_eval_with_each_source(finished):
 def test_status_eval_is_the_newest_row_and_the_lowest(tmp_path):
     """Latest is the newest eval row, best the lowest loss (the earliest of equal ones); a run
     with no eval rows has neither. Read from the files alone, as `launch status` does."""
-    from launch.progress import read_progress
+    from runfolder.view import read_progress
 
     (tmp_path / "metrics").mkdir(parents=True)
     (tmp_path / "manifest.json").write_text(json.dumps({"status": "running", "total_steps": 9}))
@@ -477,7 +477,7 @@ def test_secret_reference_comes_from_the_shell(tmp_path, state):
 
 
 def test_launch_never_imports_jax():
-    code = "import launch.cli, launch.backends.local, launch.backends.slurm, launch.progress, sys; assert 'jax' not in sys.modules"
+    code = "import launch.cli, launch.backends.local, launch.backends.slurm, runfolder.view, sys; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -545,7 +545,7 @@ def test_status_of_a_resubmission_never_reads_the_earlier_submissions_state(tmp_
 def test_progress_from_an_earlier_submission_is_not_this_ones(tmp_path):
     """A manifest last written before the submission followed is an earlier submission's: its
     `completed` is no progress of this one (only a note saying whose it is)."""
-    from launch.progress import read_progress
+    from runfolder.view import read_progress
 
     (tmp_path / "manifest.json").write_text(json.dumps({
         "status": "completed", "steps": 300, "total_steps": 300,
@@ -571,7 +571,7 @@ def test_progress_from_an_earlier_submission_is_not_this_ones(tmp_path):
 def test_an_unreadable_manifest_is_named_with_what_is_wrong(tmp_path, content, why):
     """`launch status` of a run whose manifest.json is torn or not an object: the progress line
     names the file and says what is wrong with it, in one sentence."""
-    from launch.progress import read_progress
+    from runfolder.view import read_progress
 
     (tmp_path / "manifest.json").write_text(content)
     assert read_progress(str(tmp_path)) == {

@@ -24,8 +24,8 @@ from mesh_step import same_step_on_meshes  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.families.model_config import ModelConfig  # noqa: E402
+from jobspec.files.run_toml import read_toml  # noqa: E402
 from jobspec.hf_config import hf_config_from_model, model_fields_from_hf  # noqa: E402
-from jobspec.load import read_toml  # noqa: E402
 from jobspec.run_config import MeshConfig  # noqa: E402
 from runtime.hf.convert import flat_params, model_config_from_hf  # noqa: E402
 from runtime.hf.files import read_safetensors  # noqa: E402
@@ -299,7 +299,7 @@ def _model_table(family: str = "llama", **own) -> dict:
     ],
 )  # fmt: skip
 def test_bad_settings_are_one_sentence_naming_the_field(tmp_path, model, message):
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
 
     raw = tiny_config(str(tmp_path / "m.json"), str(tmp_path / "runs"))
     raw["model"] = model

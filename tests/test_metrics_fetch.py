@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 from runtime.train import metrics as metrics_module
 from runtime.train.metrics import TrainMetrics
 

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from jobspec.errors import ConfigError, DataError
-from jobspec.load import merge, parse_run_config
+from jobspec.files.run_toml import merge, parse_run_config
 from jobspec.run_config import MIXTURE_BLOCK
 from runtime.commands.cli import main
 from runtime.data.loader import TokenBatches
 from runtime.data.manifest import load_manifest
 from runtime.data.mixture import Mixture, block_counts, open_data
-from runtime.data.prepare import prepare_dataset
+from runtime.data.prepare.build import prepare_dataset
 
 from runs import read_jsonl, stderr_lines, tiny_config, write_config
 

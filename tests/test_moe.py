@@ -16,7 +16,7 @@ from flax import nnx
 from jobspec.families.model_config import ModelConfig
 from runtime.model.flops import flops_per_token, parameter_counts
 from runtime.model.layers import LOGICAL_AXES
-from runtime.model.moe import RouterBias, SparseMoE, update_router_bias
+from runtime.model.moe.layer import RouterBias, SparseMoE, update_router_bias
 from runtime.model.registry import build_model_module
 from runtime.model.sharding import LOGICAL_RULES
 from runtime.train.state import TrainState

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.model import moe_dispatch as md
+from runtime.model.moe import dispatch as md
 
 from runs import ROOT, xla_flags
 
@@ -182,7 +182,7 @@ def _outside_megablox(hlo: str) -> str:
 _EXPERT_PARALLEL_HLO = """
 import jax, jax.numpy as jnp, numpy as np
 from jobspec.run_config import MeshConfig
-from runtime.model import moe_dispatch as md
+from runtime.model.moe import dispatch as md
 from runtime.model.sharding import activation_mesh, build_mesh
 
 rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""Multi-host training: several local processes form one JAX cluster over gloo (FACTS.md) and
+"""Multi-host training: several local processes form one JAX cluster over gloo (CPU collectives) and
 run `runtime worker` exactly as a backend would start it."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ VARIES = {"time", "step_time", "tokens_per_s", "elapsed", "wall_time_s", "create
 def _config(
     tmp: Path, prepared: str, name: str, mesh: dict, out: Path | None = None, **over
 ) -> Path:
-    from jobspec.load import merge
+    from jobspec.files.run_toml import merge
 
     defaults = {"training": {"target_tokens": 16 * 8 * STEPS}, "mesh": mesh,
                 "runtime": {"host_loss_timeout_s": 20, "boot_timeout_s": 60}}  # fmt: skip
@@ -158,7 +158,7 @@ def test_one_writer_writes_what_one_process_writes(layouts):
 
 
 def test_non_writer_cannot_write_host_global_files(tmp_path):
-    from jobspec.run_store import ArtifactStore, NotWriterError
+    from runfolder.store import ArtifactStore, NotWriterError
 
     store = ArtifactStore(str(tmp_path / "run"), process_index=1, writer_index=0)
     with pytest.raises(NotWriterError):

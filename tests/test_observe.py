@@ -213,7 +213,7 @@ def test_goodput_accounts_for_all_wall_time(two_attempts):
 
 
 def test_launch_status_progress_has_goodput_and_eta(two_attempts, tmp_path):
-    from launch.progress import eta_seconds, read_progress
+    from runfolder.view import eta_seconds, read_progress
 
     p = read_progress(str(two_attempts["run"]))
     assert p["goodput"]["wall_s"] > 0 and p["eta_s"] is None  # stopped: no ETA
@@ -231,7 +231,7 @@ def test_a_failing_sink_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch
     """W&B online with no key, and TensorBoard on a disk that fails mid-run: one warning each,
     no exception into the training loop, and the other sink keeps logging."""
     from jobspec.run_config import MetricsConfig
-    from jobspec.run_store import ArtifactStore
+    from runfolder.store import ArtifactStore
     from runtime.observe.sinks import MetricSinks, sink_check
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -263,7 +263,7 @@ def test_a_failing_sink_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch
 
 def test_sinks_live_on_the_writer_only(tmp_path):
     from jobspec.run_config import MetricsConfig
-    from jobspec.run_store import ArtifactStore
+    from runfolder.store import ArtifactStore
     from runtime.observe.sinks import MetricSinks, scalars
 
     store = ArtifactStore(str(tmp_path / "run"), process_index=1, writer_index=0)
@@ -276,7 +276,8 @@ def test_sinks_live_on_the_writer_only(tmp_path):
 
 
 def test_profile_steps_option(tmp_path, prepared, capsys):
-    from runtime.commands.cli import _profile_sets, main
+    from runtime.commands.cli import main
+    from runtime.commands.run import _profile_sets
 
     assert _profile_sets("10:3") == ("profile.start_step=10", "profile.steps=3")
     assert _profile_sets("7") == ("profile.start_step=7", "profile.steps=2")
@@ -294,8 +295,8 @@ def test_tensorboard_sink_on_gs_and_a_resumed_attempt_purges(run_uri, tmp_path):
     resuming from step 3 after the first logged to step 5; TensorBoard's reader then shows the
     second attempt's rows from step 4 on, as train.jsonl has them."""
     from jobspec.run_config import MetricsConfig
-    from jobspec.run_store import ArtifactStore
-    from jobspec.storage import url_to_fs
+    from runfolder.storage import url_to_fs
+    from runfolder.store import ArtifactStore
     from runtime.observe.sinks import MetricSinks
 
     store = ArtifactStore(run_uri)
@@ -321,7 +322,7 @@ def test_tensorboard_sink_on_gs_and_a_resumed_attempt_purges(run_uri, tmp_path):
 def test_goodput_accounting_of_synthetic_attempts():
     """A crashed attempt (its last snapshot at t=60, then nothing) and a restart at t=100 that
     recomputes the steps the crash lost: the 40 s gap is lost, the buckets sum to the span."""
-    from jobspec.goodput import account, goodput_line
+    from runfolder.goodput import account, goodput_line
     from runtime.observe.ledger import TimeLedger
 
     def snap(start, at, seconds, pid):

@@ -20,7 +20,7 @@ import tomli_w
 import yaml
 
 from jobspec.errors import ConfigError
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 
 from runs import ROOT, run_cli, xla_flags
 
@@ -172,7 +172,7 @@ def test_resolve_target_shapes() -> None:
 _SCALING = textwrap.dedent(
     """
     import json, sys
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
     from runtime.plan.compile import plan
     from runtime.plan.targets import resolve_target
     base = json.loads(sys.argv[1])
@@ -296,7 +296,7 @@ _V5E = textwrap.dedent(
     platform.choose()
     from runtime.plan.environment import prepare_environment
     prepare_environment("tpu-v5e-1")
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
     from runtime.plan import hlo
     from runtime.plan.compile import plan
     from runtime.plan.targets import resolve_target

@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from jobspec.load import load_run_config
+from jobspec.files.run_toml import load_run_config
 
 from runs import ROOT, tiny_config, user_env, write_config
 

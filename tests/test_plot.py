@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 from runtime.commands.cli import main
 from runtime.observe.plot import DPI, FIGSIZE
 from runtime.train.loop import train
@@ -151,7 +151,7 @@ def test_not_a_run_is_one_sentence(capsys, runs, tmp_path):
 
 @pytest.mark.gcs
 def test_gs_run_to_gs_png(capsys, runs, gs_run_uri):
-    from jobspec.storage import url_to_fs
+    from runfolder.storage import url_to_fs
 
     plain, _ = runs
     fs, root = url_to_fs(gs_run_uri)

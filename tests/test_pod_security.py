@@ -18,8 +18,8 @@ import pytest
 from pydantic import ValidationError
 
 from jobspec.errors import ConfigError
+from jobspec.files.job_yaml import load_job, run_with_id
 from jobspec.job_spec import JobSpec
-from jobspec.load_job import load_job, run_with_id
 from launch.backend import Submission
 from launch.backends.k8s.render import render_manifests
 

@@ -54,7 +54,7 @@ def folder(tmp_path_factory) -> Path:
 def one_host(folder) -> str:
     """The fingerprint of the same inputs prepared by one process."""
     from jobspec.prepare_job import size_bytes
-    from runtime.data.prepare import prepare_dataset
+    from runtime.data.prepare.build import prepare_dataset
 
     m = prepare_dataset([str(folder / "corpus/*.txt")], "byte", str(folder / "one"),
                         val_fraction=0.1, part_bytes=size_bytes(PART), workers=1)  # fmt: skip

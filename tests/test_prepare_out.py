@@ -19,7 +19,8 @@ import pytest
 from jobspec.errors import DataError
 from jobspec.exit_codes import EXIT_RESTARTABLE
 from jobspec.run_config import DataConfig
-from runtime.data.prepare import ensure_manifest, prepare_dataset
+from runtime.data.mixture import ensure_manifest
+from runtime.data.prepare.build import prepare_dataset
 
 from runs import ROOT, run_cli, stderr_lines
 
@@ -108,7 +109,7 @@ def test_a_runs_data_folder_that_is_no_dataset_is_refused(tmp_path, texts):
 CHILD = """
 import sys, time
 from pathlib import Path
-import runtime.data.prepare as prepare
+import runtime.data.prepare.build as prepare
 
 
 def stopped(*args, **kwargs):
@@ -168,7 +169,7 @@ def test_sigterm_is_one_line_and_exit_42(tmp_path, texts, share):
 
 SIGTERM_EARLY = """
 import os, signal
-from runtime.data.stop import PrepareStopped, SigtermStop
+from runtime.data.prepare.stop import PrepareStopped, SigtermStop
 
 before = signal.getsignal(signal.SIGTERM)
 with SigtermStop() as stop:

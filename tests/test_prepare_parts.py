@@ -16,9 +16,9 @@ import zstandard
 from click.testing import CliRunner
 
 from jobspec.errors import DataError
-from runtime.data.bpe import train_bpe
 from runtime.data.manifest import load_manifest, read_offsets
-from runtime.data.prepare import merge_shares, prepare_dataset, prepare_share
+from runtime.data.prepare.bpe import train_bpe
+from runtime.data.prepare.build import merge_shares, prepare_dataset, prepare_share
 from runtime.data.tokenizer import load_tokenizer
 
 PART = 300  # input bytes per part: the corpus below makes five parts

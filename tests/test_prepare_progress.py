@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 from tqdm import tqdm
 
-import runtime.data.progress as progress_mod
+import runtime.data.prepare.progress as progress_mod
 from runtime.data.manifest import load_manifest
-from runtime.data.prepare import ENCODE_BATCH, prepare_dataset
+from runtime.data.prepare.build import ENCODE_BATCH, prepare_dataset
 
 from runs import write_text_corpus
 

@@ -30,8 +30,8 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from jobspec.errors import ConfigError  # noqa: E402
 from jobspec.families.model_config import ModelConfig  # noqa: E402
+from jobspec.files.run_toml import read_toml  # noqa: E402
 from jobspec.hf_config import hf_config_from_model, model_fields_from_hf  # noqa: E402
-from jobspec.load import read_toml  # noqa: E402
 from jobspec.run_config import MeshConfig  # noqa: E402
 from runtime.hf.convert import flat_params, model_config_from_hf  # noqa: E402
 from runtime.hf.experts import fuse_experts, split_fused_experts  # noqa: E402
@@ -412,7 +412,7 @@ def test_moe_layers_scanned_in_periods_are_the_unrolled_model(tmp_path):
     """Four MoE layers, DeltaNet then full attention twice: a period of 2, 2 repetitions.
     Scanned, the import gives the unrolled logits, exports the checkpoint's tensors bit for bit
     (the experts fused, as read), and the router bias update gives each layer its own row."""
-    from runtime.model.moe import update_router_bias
+    from runtime.model.moe.layer import update_router_bias
 
     src = hf_model(tmp_path / "hf", True, num_hidden_layers=4,
                    layer_types=["linear_attention", "full_attention"] * 2)  # fmt: skip
@@ -468,7 +468,7 @@ def _table(family: str = "qwen3_5_text", top: dict | None = None, **own) -> dict
     ],
 )  # fmt: skip
 def test_bad_settings_are_one_sentence_naming_the_field(tmp_path, model, message):
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
 
     raw = tiny_config(str(tmp_path / "m.json"), str(tmp_path / "runs"))
     raw["model"] = model

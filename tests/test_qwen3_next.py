@@ -171,7 +171,7 @@ def test_config_json_round_trip_and_counts(built):
 
 def test_the_sparse_moe_dispatch_matches_transformers(built):
     """The same imported weights through the sparse MoE dispatch (sorted tokens, grouped
-    matmuls; runtime/model/moe_dispatch.py) instead of the dense one."""
+    matmuls; runtime/model/moe/dispatch.py) instead of the dense one."""
     src, _, _, batch, dense = built("mixed-dense")
     _, model = imported(src, moe_dispatch="sparse")
     ours = logits_of(model, batch)
@@ -229,7 +229,7 @@ def test_cached_decode_equals_the_full_forward(built, case):
 def test_router_bias_moves_only_moe_layers(built):
     """With dense layers between MoE layers the loads have one row per MoE layer, and the
     aux-loss-free update gives each MoE layer its own row."""
-    from runtime.model.moe import update_router_bias
+    from runtime.model.moe.layer import update_router_bias
 
     _, _, model, rows, _ = built("mixed-dense")
     moe = [i for i, b in enumerate(model.layers) if hasattr(b.mlp, "router_bias")]
@@ -250,7 +250,7 @@ def test_layers_scanned_in_periods_are_the_unrolled_model(tmp_path):
     tensors, gives the unrolled logits, exports bit for bit, decodes from the cache, and the
     router bias update gives each MoE layer its own row; built from a seed, both layouts hold
     the same values."""
-    from runtime.model.moe import update_router_bias
+    from runtime.model.moe.layer import update_router_bias
 
     src = hf_model(tmp_path / "hf", full_attention_interval=2, decoder_sparse_step=2)
     batch = BATCH[:, :20]
@@ -319,7 +319,7 @@ def _model_table(**q) -> dict:
     ],
 )  # fmt: skip
 def test_bad_qwen3_next_settings_are_one_sentence_naming_the_field(tmp_path, q, top, message):
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
 
     from runs import tiny_config
 
@@ -343,7 +343,7 @@ def test_finetune_resume_export_and_sample(tmp_path, prepared):
     greedy sampling equals transformers' greedy generate (its own cache). (Export and sample run
     in this process: `runtime export hf` and `runtime sample` as a user runs them are
     tests/test_hf.py's and tests/test_train.py's.)"""
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
     from runtime.commands.hf import export_checkpoint
     from runtime.commands.offline import restore_checkpoint, sample_checkpoint
     from runtime.train.loop import train

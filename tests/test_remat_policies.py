@@ -16,7 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from jobspec.families.model_config import ModelConfig
-from jobspec.load import merge, parse_run_config
+from jobspec.files.run_toml import merge, parse_run_config
 from runtime.commands.preflight import memory_estimate
 from runtime.model.layers import REMAT_POLICIES
 from runtime.model.qwen3.decoder import Qwen3Decoder as Decoder

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from test_launch_local import ONE_SCHEDULE, ROOT, kill_leftovers, launch
 
-from jobspec.load import merge
+from jobspec.files.run_toml import merge
 from launch.registry import Registry
 
 from runs import tiny_config

@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jobspec.errors import CheckpointError, ConfigError
-from jobspec.load import merge, parse_run_config
+from jobspec.files.run_toml import merge, parse_run_config
 from runtime.train.loop import train
 
 from runs import read_jsonl, run_cli, stderr_lines, tiny_config, write_config

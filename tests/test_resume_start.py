@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from test_checkpoint import _corrupt, abstract, make_state, save
 
-from jobspec.load import parse_run_config
-from jobspec.run_store import ArtifactStore
+from jobspec.files.run_toml import parse_run_config
+from runfolder.store import ArtifactStore
 from runtime.model import build as build_module
 from runtime.run import checksums
-from runtime.run.checkpoint import CheckpointService, UnreadableCheckpointError
+from runtime.run.checkpoint.errors import UnreadableCheckpointError
+from runtime.run.checkpoint.service import CheckpointService
 from runtime.train.loop import train
 
 from runs import read_jsonl, tiny_config

@@ -12,12 +12,12 @@ import pytest
 from flax import nnx
 
 from jobspec.errors import ConfigError, DataError
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 from jobspec.run_config import MeshConfig
 from runtime.commands.offline import eval_checkpoint, restore_checkpoint
 from runtime.data.loader import OBJECTIVE_FIELDS, TokenBatches, check_objective
 from runtime.data.manifest import load_manifest
-from runtime.data.prepare import prepare_dataset
+from runtime.data.prepare.build import prepare_dataset
 from runtime.model.build import build_model
 from runtime.model.sharding import build_mesh
 from runtime.train.loop import train
@@ -278,7 +278,7 @@ def _pg_cfg(manifest: str, out: str, run_id: str = "pg", **over) -> dict:
                      "target_tokens": 32 * 4 * 24, "eval_every": 12},
         "evals": [{"name": "completions", "split": "train", "batches": 2}],
     }  # fmt: skip
-    from jobspec.load import merge
+    from jobspec.files.run_toml import merge
 
     return tiny_config(manifest, out, run_id=run_id, **merge(base, over))
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import threading
 
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 from runtime.run import checksums
-from runtime.run.checkpoint import CheckpointService
+from runtime.run.checkpoint.service import CheckpointService
 from runtime.train.loop import SAVE_GRACE_S, train
 
 from runs import read_jsonl, tiny_config

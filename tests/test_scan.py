@@ -247,7 +247,7 @@ _COMPILE = textwrap.dedent(
     """
     import json, sys
     import jax
-    from jobspec.load import parse_run_config
+    from jobspec.files.run_toml import parse_run_config
     from runtime.model.sharding import build_mesh
     from runtime.train.program import abstract_program
 

@@ -17,10 +17,10 @@ import tomli_w
 from pydantic import ValidationError
 
 from jobspec.errors import ConfigError
+from jobspec.files.job_yaml import load_job
+from jobspec.files.run_toml import describe_validation_error
+from jobspec.files.secrets import entropy, find_secrets, looks_random, what_secret
 from jobspec.job_spec import JobSpec
-from jobspec.load import describe_validation_error
-from jobspec.load_job import load_job
-from jobspec.secrets import entropy, find_secrets, looks_random, what_secret
 
 from runs import tiny_config
 

@@ -17,8 +17,8 @@ import tomli_w
 
 from jobspec.errors import ConfigError
 from jobspec.exit_codes import is_restartable
+from jobspec.files.job_yaml import load_job, run_with_id
 from jobspec.job_spec import JobSpec
-from jobspec.load_job import load_job, run_with_id
 from launch.backend import Handle, Submission
 from launch.backends.slurm import SlurmBackend, submit
 from launch.backends.slurm.render import CANCEL_MARK, render_script

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jobspec.errors import StorageError
-from jobspec.run_store import ArtifactStore, NotWriterError
+from runfolder.store import ArtifactStore, NotWriterError
 
 
 def files_under(root: str) -> list[str]:
@@ -186,7 +186,7 @@ def test_torn_last_line_is_dropped_then_cut_but_a_torn_middle_is_corruption(tmp_
 
 @pytest.mark.gcs
 def test_gs_jsonl_is_appended_in_bounded_parts(gs_run_uri: str, capsys) -> None:
-    from jobspec.storage import list_parts
+    from runfolder.storage import list_parts
 
     store = ArtifactStore(gs_run_uri, part_bytes=200)
     for step in range(1, 31):
@@ -215,7 +215,7 @@ def test_gs_jsonl_is_appended_in_bounded_parts(gs_run_uri: str, capsys) -> None:
 
 def test_the_host_log_path_is_parsed_back_from_any_root() -> None:
     """runtime/host/hostlog.py writes host_log's path, launch's saved_logs reads it back."""
-    from jobspec.run_dir import host_log, parse_host_log
+    from runfolder.layout import host_log, parse_host_log
 
     assert host_log(2, 3) == "logs/attempt-2/host-3.log"
     assert parse_host_log(f"gs://b/run/{host_log(2, 3)}") == (2, 3)
@@ -228,8 +228,8 @@ def test_the_host_log_path_is_parsed_back_from_any_root() -> None:
 @pytest.mark.gcs
 def test_gs_host_log_is_uploaded_in_parts_and_read_in_order(gcs_bucket, monkeypatch) -> None:
     import runtime.host.hostlog as hostlog
-    from jobspec.storage import list_parts
     from launch.backends.k8s.backend import saved_logs
+    from runfolder.storage import list_parts
 
     monkeypatch.setattr(hostlog, "PART_BYTES", 100)
     root = f"{gcs_bucket}/logs-{os.getpid()}-{id(monkeypatch)}"
@@ -248,7 +248,7 @@ def test_gs_host_log_is_uploaded_in_parts_and_read_in_order(gcs_bucket, monkeypa
 def test_with_retries_retries_transient_faults_only(monkeypatch) -> None:
     from gcsfs.retry import HttpError
 
-    import jobspec.storage as storage
+    import runfolder.storage as storage
     from jobspec.errors import StorageFaultError
 
     monkeypatch.setattr(storage, "_pause", lambda s: None)

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jobspec.families.model_config import ModelConfig
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 from jobspec.run_config import MeshConfig
 from runtime.commands.offline import eval_checkpoint, restore_checkpoint, sample_checkpoint
 from runtime.data.loader import TokenBatches
@@ -359,7 +359,7 @@ def test_a_failure_is_recorded_at_the_step_it_happened(tmp_path, prepared, monke
     """A save that fails at step 4 of a run resumed at step 2 is recorded at step 4, not at the
     attempt's start step (as a disk-full failure once was)."""
     from jobspec.errors import StorageError
-    from runtime.run.checkpoint import CheckpointService
+    from runtime.run.checkpoint.service import CheckpointService
 
     cfg = tiny_config(prepared, str(tmp_path), run_id="fails", checkpoint={"every": 2},
                       training={"target_tokens": 16 * 8 * 6})  # fmt: skip

@@ -37,10 +37,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jobspec.load import load_run_config  # noqa: E402
-from jobspec.run_store import ArtifactStore  # noqa: E402
+from jobspec.files.run_toml import load_run_config  # noqa: E402
+from runfolder.store import ArtifactStore  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402
-from runtime.run.checkpoint import CheckpointService  # noqa: E402
+from runtime.run.checkpoint.service import CheckpointService  # noqa: E402
 from runtime.run.meta import CheckpointMeta  # noqa: E402
 from runtime.train.program import abstract_program  # noqa: E402
 

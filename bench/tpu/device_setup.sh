@@ -1,5 +1,6 @@
-# Source from the repo root on a TPU machine that has the pinned wheels in .whl-tpu/ (README "On a
-# TPU v5e chip"; ../shared/FACTS.md "The TPU device machine" says how to download them) and the
+# Source from the repo root on a TPU machine that has the pinned wheels in .whl-tpu/
+# (docs/performance.md; `pip download` them on a networked machine for the TPU host's Python 3.11:
+# the device machine has no network) and the
 # MaxText peer folder in .peers/maxtext-tpu/ (for grain, array_record and portpicker): installs
 # jaxjob's dependencies under /tmp (kept while the machine is), appends them to PYTHONPATH after
 # the machine's own JAX, and defines `rt` = the runtime CLI in-process.

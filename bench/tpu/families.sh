@@ -8,8 +8,8 @@
 #           2,048 x 4 (plan: peak 13.18 GiB); MaxText: llama3.1-8b with the 1B's widths
 #   gptoss  gpt-oss-20b's shapes, 2 layers (one sliding, one full), 8 of 32 experts, vocab 32,000,
 #           2,048 x 8 (plan: peak 12.27 GiB); MaxText: gpt-oss-20b cut the same way
-#   moe     the Qwen3-30B-A3B cut of issue 37 (2 layers, 32 experts, vocab 32,000, 2,048 x 8), the
-#           defaults of today's tree (the 56,010 tokens/s of issue 37 was measured before the
+#   moe     the Qwen3-30B-A3B cut of bench/tpu/moe_vs_maxtext.sh (2 layers, 32 experts, vocab 32,000, 2,048 x 8), the
+#           defaults of today's tree (its first 56,010 tokens/s was measured before the
 #           families' merge touched the expert dispatch)
 #   check   bench/tpu/gpt_oss_check.py: splash with sinks and windows against the einsum path
 # Writes under $OUT: session.log, jj.jsonl (accel_step rows), mt.log (MaxText's

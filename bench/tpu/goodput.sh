@@ -1,4 +1,4 @@
-# Goodput of issue 37 on the TPU chip (goals 3 and 4): how long a resume takes to its first step,
+# Goodput on the TPU chip: how long a resume takes to its first step,
 # and what periodic saves cost the steps. Qwen3-0.6B, seq 2,048 x 8 (bench/tpu/qwen3-0.6b-v5e.toml).
 #   bash bench/tpu/goodput.sh [a] [b] [host]        (default: a b; about 6 minutes of chip time)
 # From the repo root on the TPU machine, with .whl-tpu/ and .peers/ carried (see
@@ -53,7 +53,7 @@ run() {  # run NAME RUN_ID STOP_AT_STEP|- TIMEOUT [runtime local args...]
 }
 
 if [[ $PHASES == *" a "* ]]; then
-  python3 -c 'import jax' >/dev/null 2>&1  # JAX's files in the page cache, as the README's runs had
+  python3 -c 'import jax' >/dev/null 2>&1  # JAX's files in the page cache, as docs/performance.md's runs had
   run a1-fresh gp-a - 200 --max-steps 3
   run a2-resume-cached gp-a 4 150 --resume --set checkpoint.on_signal=false
   JAXJOB_COMPILATION_CACHE=0 JAX_COMPILATION_CACHE_DIR= \

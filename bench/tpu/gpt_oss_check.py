@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runtime.model import attention  # noqa: E402
+from runtime.model.attention import kernels as attention  # noqa: E402
 
 SMALL = os.environ.get("SMALL") == "1"
 

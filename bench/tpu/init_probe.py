@@ -1,6 +1,6 @@
 """Where `build_model` spends its time on an accelerator: abstract build, lowering, compile and
 execution of the parameter init, then build_model itself. On the TPU v5e chip the "building the
-model" phase of Qwen3-0.6B took 78 s, then 20.9 s, then 8.8 s (README "On a TPU v5e chip"); run
+model" phase of Qwen3-0.6B took 78 s, then 20.9 s, then 8.8 s (docs/performance.md, "Time to first step"); run
 this there to split it:
 
     python3 bench/tpu/init_probe.py [CONFIG] [--per-layer] [--compare]
@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax import lax  # noqa: E402
 
-from jobspec.load import load_run_config  # noqa: E402
+from jobspec.files.run_toml import load_run_config  # noqa: E402
 from runtime.model.build import _abstract_model, build_model  # noqa: E402
 from runtime.model.registry import build_model_module  # noqa: E402
 from runtime.model.sharding import build_mesh  # noqa: E402

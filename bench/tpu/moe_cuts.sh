@@ -1,4 +1,4 @@
-# More cuts of Qwen3-30B-A3B's MoE than issue 37's first one (other top-k, expert counts, layers,
+# More cuts of Qwen3-30B-A3B's MoE than the first one (bench/tpu/moe_vs_maxtext.sh) (other top-k, expert counts, layers,
 # sequence and batch), MaxText then jaxjob on each, plus MaxText's dense Qwen3-0.6B at long
 # sequences, in one device call.
 #   [SIDES=maxtext] bash bench/tpu/moe_cuts.sh [CUT ...]   (default: every cut below, then dense8k)

@@ -10,7 +10,7 @@ compiled step's optimised HLO, whose op names the summary's ops carry). The row'
 the K ops with the most self time (a `while` loop's body is counted in its ops, not the loop).
 
 Besides accel_step's kernel knobs a `--variant` may set (they swap a function of
-runtime/model/moe_dispatch.py for this process, to size a change first; since 2026-12-07 the
+runtime/model/moe/dispatch.py for this process, to size a change first; since 2026-12-07 the
 runtime's defaults are tiles 512 x 1024 x 1024 fitted this way and the lean gather permutes, so
 these now compare other settings against those defaults):
   kernel.gmm_tiling=TMxTKxTN   megablox tiles: TM rows, and the contracted / output widths
@@ -48,7 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import xplane_summary  # noqa: E402
 
-from runtime.model import moe_dispatch  # noqa: E402
+from runtime.model.moe import dispatch as moe_dispatch  # noqa: E402
 
 ORIGINAL_GMM = moe_dispatch._grouped_matmul
 ORIGINAL_PER_DEVICE = moe_dispatch._per_device

@@ -1,4 +1,4 @@
-# The MoE cut of issue 37 (Qwen3-30B-A3B's shape: 2 layers of 32 experts, top-8, vocab 32,000, seq
+# The MoE cut (Qwen3-30B-A3B's shape: 2 layers of 32 experts, top-8, vocab 32,000, seq
 # 2,048 x 8) on the TPU chip, MaxText and jaxjob in one sitting, each with its step profiled.
 #   bash bench/tpu/moe_vs_maxtext.sh [maxtext] [jaxjob] [variants] [VARIANT_SPEC ...]
 # From the repo root on the TPU machine, with .whl-tpu/ and .peers/maxtext-tpu/ carried (see

@@ -13,7 +13,7 @@ from jobspec.backends.section import BackendSection
 from jobspec.errors import ConfigError
 from jobspec.names import check_k8s_names
 from jobspec.prepare_job import PrepareSection, local_relative
-from jobspec.storage import is_remote
+from jobspec.run_config import is_remote
 
 # A Kubernetes resource quantity, as emptyDir sizeLimit takes it (e.g. 8Gi, 512Mi).
 QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")  # fullmatch
@@ -40,7 +40,7 @@ class K8sSection(BackendSection):
         None, description="Delete the JobSet this long after it finishes."
     )
     # Pod Security "restricted": the pods run as this numeric non-root user, on a read-only
-    # root filesystem with emptyDirs where the runtime writes (README, "Kubernetes").
+    # root filesystem with emptyDirs where the runtime writes (docs/jobs-and-backends.md, "Kubernetes pods").
     run_as_user: Annotated[int, Field(ge=1)] = Field(
         1000, description="Numeric user id the containers run as (never 0)."
     )

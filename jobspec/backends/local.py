@@ -5,8 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 
 from jobspec.backends.section import BackendSection
-from jobspec.catalogue import Accelerator
 from jobspec.errors import ConfigError
+from jobspec.hardware.catalogue import Accelerator
 from jobspec.section import PositiveInt
 
 # Every host is a process on this machine: past a few dozen they only contend for its cores and

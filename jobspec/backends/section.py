@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from jobspec.catalogue import Accelerator
+from jobspec.hardware.catalogue import Accelerator
 from jobspec.prepare_job import PrepareSection
 from jobspec.section import Section
 

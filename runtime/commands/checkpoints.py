@@ -7,11 +7,11 @@ import sys
 from typing import Any
 
 from jobspec.errors import CheckpointError
-from jobspec.run_dir import CHECKPOINTS as CKPT_DIR
-from jobspec.run_dir import MANIFEST
-from jobspec.run_store import ArtifactStore
-from runtime.run.checkpoint import CheckpointService
-from runtime.run.inspect import open_run
+from runfolder.layout import CHECKPOINTS as CKPT_DIR
+from runfolder.layout import MANIFEST
+from runfolder.store import ArtifactStore
+from runfolder.view import open_run
+from runtime.run.checkpoint.service import CheckpointService
 
 MIB = 1024 * 1024
 

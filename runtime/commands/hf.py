@@ -12,11 +12,11 @@ import jax
 import numpy as np
 
 from jobspec.errors import ConfigError, JaxjobError
+from jobspec.files.run_toml import parse_run_config, read_toml, resolved_dict, to_toml
 from jobspec.hf_config import hf_dir
-from jobspec.load import parse_run_config, read_toml, resolved_dict, to_toml
 from jobspec.run_config import RunConfig
-from jobspec.run_dir import MANIFEST, RESOLVED_CONFIG, SOURCE_CONFIG, now
-from jobspec.run_store import ArtifactStore
+from runfolder.layout import MANIFEST, RESOLVED_CONFIG, SOURCE_CONFIG, now
+from runfolder.store import ArtifactStore
 from runtime.commands.offline import restore_checkpoint
 from runtime.data.loader import train_batches
 from runtime.data.manifest import Manifest
@@ -28,7 +28,8 @@ from runtime.model.build import build_model
 from runtime.model.hf_weights import write_hf
 from runtime.model.sharding import offline_mesh
 from runtime.run.artifacts import package_versions
-from runtime.run.checkpoint import CheckpointService, load_index
+from runtime.run.checkpoint.index import load_index
+from runtime.run.checkpoint.service import CheckpointService
 from runtime.run.compat import run_fingerprint
 from runtime.run.meta import CheckpointMeta, run_manifest
 from runtime.train.optim import build_optimizer

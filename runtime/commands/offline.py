@@ -12,18 +12,18 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jobspec.errors import ConfigError, JaxjobError
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 from jobspec.run_config import EvalConfig, RunConfig
-from jobspec.run_dir import RESOLVED_CONFIG, now
-from jobspec.run_store import ArtifactStore
+from runfolder.layout import RESOLVED_CONFIG, now
+from runfolder.store import ArtifactStore
+from runfolder.view import open_run
 from runtime.data.manifest import load_manifest
 from runtime.data.mixture import open_data
 from runtime.data.tokenizer import load_tokenizer
 from runtime.model.build import ModelParts, build_model
 from runtime.model.generate import generate
 from runtime.model.sharding import offline_mesh, replicated
-from runtime.run.checkpoint import CheckpointService
-from runtime.run.inspect import open_run
+from runtime.run.checkpoint.service import CheckpointService
 from runtime.train.evaluate import Evaluator
 from runtime.train.state import model_state_from_meta
 
@@ -64,7 +64,7 @@ def eval_checkpoint(run: str, selector: str) -> dict[str, Any]:
             "--config), so there is nothing to evaluate on; import it again with --config cfg.toml "
             "naming data.manifest, or sample from it with `runtime sample checkpoint`"
         )
-    manifest = open_data(cfg.data)  # a mixture's evals read every source (README "Mixtures")
+    manifest = open_data(cfg.data)  # a mixture's evals read every source (docs/data.md, "Mixtures")
     evaluator = Evaluator(cfg, manifest, parts, mesh)
     evals = cfg.evals or [EvalConfig(name="validation")]
     results = [evaluator.evaluate(parts.params, e.name, e.split, e.batches) for e in evals]

@@ -4,6 +4,10 @@ The process never looks for chips: JAX_PLATFORMS defaults to cpu before jax star
 TPU and GPU devices need no platform), so the command starts as quickly as any other.
 Exit codes: 0 the plan fits (or the cpu target, which reports no HBM), 1 it does not fit (the
 report is printed all the same), 2 bad input (one sentence).
+
+The other checks of a config before a run are click commands here too: `runtime config
+check|schema` (what CONFIG resolves to, with no device) and `runtime preflight` (this machine's
+devices, the data, the output and memory: runtime/commands/preflight.py, imported when it runs).
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ import sys
 
 import click
 
+from jobspec.errors import ConfigError
 from jobspec.exit_codes import EXIT_FAILED
+from runtime.commands.common import SET_OPTION, load_config, print_json
 from runtime.plan.environment import is_gpu as _is_gpu
+from runtime.plan.environment import prepare_environment
 
 
 def _gib(n: int | float | None) -> str:
@@ -238,3 +245,131 @@ def _jsonable(result: dict) -> dict:
 
     return {**result, "tried": [row(r) for r in result["tried"]],
             "pick": row(result["pick"]) if result["pick"] else None}  # fmt: skip
+
+
+@click.group("config")
+def config_group() -> None:
+    """Check run configs and print their schema."""
+
+
+@config_group.command("check")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@SET_OPTION
+def config_check(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
+    """Validate CONFIG and show what it resolves to: sizes, FLOPs, tokens per step."""
+    from jobspec.files.run_toml import resolved_dict
+    from runtime.model.flops import flops_per_token, parameter_counts
+
+    cfg, _ = load_config(config, sets)
+    from runtime.data.eval_rows import check_evals_of_config
+
+    # An eval whose split gives no row is an error (exit 2) when a local manifest says so.
+    for small in check_evals_of_config(cfg, remote=False) or []:
+        click.echo(f"warning: {small['message']}", err=True)
+    t = cfg.training
+    info = {
+        "config": config,
+        "resolved": resolved_dict(cfg),
+        "parameters": parameter_counts(cfg.model),
+        "flops_per_token": flops_per_token(cfg.model, t.seq_len),
+        "tokens_per_step": t.tokens_per_step,
+        "total_steps": t.total_steps,
+        "mesh_devices": cfg.mesh.size,
+        "run_dir": f"{cfg.run.output_uri.rstrip('/')}/{cfg.run.id}",
+    }
+    if as_json:
+        print_json(info)
+        return
+    p = info["parameters"]
+    click.echo(f"{config}: valid")
+    click.echo(f"  run dir          {info['run_dir']}")
+    click.echo(f"  parameters       {p['total']:,} ({p['non_embedding']:,} without the embedding)")
+    click.echo(
+        f"  FLOPs/token      {info['flops_per_token']['total']:,.0f} (6N + attention, no causal halving)"
+    )
+    click.echo(
+        f"  tokens/step      {t.tokens_per_step:,} = {t.global_batch_size} x {t.gradient_accumulation_steps} x {t.seq_len}"
+        " (global_batch_size x gradient_accumulation_steps x seq_len)"
+    )
+    click.echo(f"  steps            {t.total_steps:,} to reach {t.target_tokens:,} tokens")
+    click.echo(
+        f"  mesh             slices={cfg.mesh.slices} data={cfg.mesh.data} expert={cfg.mesh.expert} fsdp={cfg.mesh.fsdp} context={cfg.mesh.context} tensor={cfg.mesh.tensor} ({cfg.mesh.size} device{'' if cfg.mesh.size == 1 else 's'})"
+    )
+
+
+@config_group.command("schema")
+def config_schema() -> None:
+    """Print the JSON Schema of the run config (for editors)."""
+    from jobspec.files.run_toml import run_config_schema
+
+    print_json(run_config_schema())
+
+
+@click.command("preflight")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True)
+@SET_OPTION
+def preflight_cmd(config: str, as_json: bool, sets: tuple[str, ...]) -> None:
+    """Check devices, mesh fit, data, output and memory before a run."""
+    from runtime.commands.preflight import preflight
+
+    cfg, _ = load_config(config, sets)
+    report = preflight(cfg)
+    if as_json:
+        print_json(report)
+    else:
+        for check in report["checks"]:
+            mark = "ok  " if check["ok"] else "FAIL"
+            click.echo(f"{mark} {check['name']:<10} {check['detail']}")
+    if not all(c["ok"] for c in report["checks"]):
+        sys.exit(EXIT_FAILED)
+
+
+@click.command("plan")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--accelerator", required=True, help="Catalogue name, e.g. tpu-v5p-256, h100-80gb.")
+@click.option("--hosts", type=int, default=None, help="Hosts (GPU nodes); TPU: fixed by the slice.")
+@click.option("--slices", type=int, default=1, show_default=True, help="TPU slices.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--fit",
+    is_flag=True,
+    help="Search remat, loss_chunk_size, gradient accumulation (within the step's global batch) "
+    "and attention: compile the candidates, keep those that fit with 5% headroom, pick the best "
+    "predicted tokens/s.",
+)
+@click.option(
+    "-o",
+    "--out",
+    "overlay",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="With --fit: write the pick as a run config that includes CONFIG (runtime local OUT).",
+)
+@click.option(
+    "--jobs", type=click.IntRange(min=1), default=None, help="With --fit: compiles at once."
+)
+@SET_OPTION
+def plan_cmd(
+    config: str,
+    accelerator: str,
+    hosts: int | None,
+    slices: int,
+    as_json: bool,
+    fit: bool,
+    overlay: str | None,
+    jobs: int | None,
+    sets: tuple[str, ...],
+) -> None:
+    """Compile CONFIG's train step for an accelerator this machine need not have; report memory
+    per chip, predicted step time, FLOPs and collectives. Exits 0 fits, 1 does not fit (report
+    printed; with --fit: no candidate fits), 2 bad input."""
+    if (overlay or jobs) and not fit:
+        raise ConfigError("--out and --jobs go with --fit (runtime plan CFG --accelerator A --fit)")
+    prepare_environment(accelerator)
+    cfg, _ = load_config(config, sets)
+    if fit:
+        run_fit(cfg, config, accelerator, hosts, slices, as_json, overlay, jobs)
+    else:
+        run_plan(cfg, accelerator, hosts, slices, as_json)

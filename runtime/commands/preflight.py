@@ -9,8 +9,8 @@ import jax
 
 from jobspec.errors import JaxjobError
 from jobspec.run_config import RunConfig
-from jobspec.run_store import ArtifactStore
-from jobspec.storage import join, url_to_fs
+from runfolder.storage import join, url_to_fs
+from runfolder.store import ArtifactStore
 from runtime.data.loader import check_for_run
 from runtime.data.manifest import load_manifest
 from runtime.data.mixture import open_data

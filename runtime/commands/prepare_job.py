@@ -1,5 +1,5 @@
 """`runtime worker CFG` for a prepare job: every host writes its share of the parts, host 0 the
-manifest (README "Preparing on many hosts").
+manifest (docs/data.md, "Preparing on many hosts").
 
 Host i of n runs `prepare_share(share=(i, n))`: it writes the parts p with p % n == i into
 `<out>/shares-<plan>/`, each committed by its part.json, and skips the parts an earlier attempt
@@ -48,10 +48,11 @@ import click
 
 from jobspec.errors import DataError, JaxjobError
 from jobspec.exit_codes import EXIT_FAILED, EXIT_RESTARTABLE
-from jobspec.load import merge
+from jobspec.files.run_toml import merge
 from jobspec.prepare_job import PrepareJobConfig, load_prepare_config
-from jobspec.run_dir import MANIFEST, SOURCE_CONFIG, now
-from jobspec.storage import RetryPolicy, join
+from runfolder.layout import MANIFEST, SOURCE_CONFIG, now
+from runfolder.storage import RetryPolicy, join
+from runtime.data.manifest import manifest_uri
 from runtime.host import boot, hostlog, startup
 
 POLL_S = 0.5  # how often a waiting host asks the key-value store
@@ -134,7 +135,7 @@ class PrepareHost:
     """One host of a prepare job, from its share to the job's end."""
 
     def __init__(self, cfg: PrepareJobConfig, source: str, info: boot.BootInfo, claim: Any):
-        from jobspec.run_store import ArtifactStore
+        from runfolder.store import ArtifactStore
 
         self.cfg, self.source, self.info, self.claim = cfg, source, info, claim
         self.index, self.count = info.process_index, info.process_count
@@ -169,7 +170,7 @@ class PrepareHost:
             self._leave(code, f"host {i}: {text}", own=text)
         self._done.set()
         _ignore_signals()  # the dataset is complete: a late SIGTERM must not turn it into 42
-        dataset = join(p.out, "manifest.json")
+        dataset = manifest_uri(p.out)
         click.echo(
             f"{'wrote' if i == 0 else 'host 0 wrote'} {dataset} (fingerprint "
             f"{summary['fingerprint']}, {summary['total_tokens']} tokens in "
@@ -182,7 +183,7 @@ class PrepareHost:
         return 0
 
     def _share(self):
-        from runtime.data.prepare import prepare_share
+        from runtime.data.prepare.build import prepare_share
 
         p, i, n = self.cfg.prepare, self.index, self.count
         started = time.monotonic()
@@ -211,7 +212,7 @@ class PrepareHost:
 
     def _merge(self, plan: str, parts: int) -> dict[str, Any]:
         """Host 0: once every share is written, the manifest over all of them."""
-        from runtime.data.prepare import merge_shares
+        from runtime.data.prepare.build import merge_shares
 
         out = self.cfg.prepare.out
         if self.count > 1:
@@ -232,7 +233,7 @@ class PrepareHost:
             "plan": plan, "parts": parts,
             "written": sum(s["written"] for s in shares.values()),
             "skipped": sum(s["skipped"] for s in shares.values()),
-            "dataset_manifest": join(out, "manifest.json"), "fingerprint": m.fingerprint,
+            "dataset_manifest": manifest_uri(out), "fingerprint": m.fingerprint,
             "total_tokens": m.total_tokens, "total_documents": m.total_documents,
         }  # fmt: skip
         self._update_record(status="completed", **summary)

@@ -102,7 +102,7 @@ def check_evals_of_config(cfg: RunConfig, *, remote: bool = True) -> list[dict[s
     eval that cannot run."""
     from types import SimpleNamespace
 
-    from jobspec.storage import is_remote
+    from jobspec.run_config import is_remote
     from runtime.data.manifest import load_manifest
 
     uris = (

@@ -56,10 +56,10 @@ import grain
 import numpy as np
 
 from jobspec.errors import ConfigError, DataError
-from jobspec.run_config import DataConfig, TrainingConfig
-from runtime.data.manifest import PG_FIELDS, Manifest
+from jobspec.run_config import DATA_ORDERS, DataConfig, DataOrder, TrainingConfig
+from runtime.data.manifest import PG_FIELDS, Manifest, manifest_uri
 from runtime.data.mixture import Mixture, decode, manifests_of, mixture_reader
-from runtime.data.order import ORDERS, Order, RecordOrder, record_order
+from runtime.data.order import RecordOrder, record_order
 from runtime.data.sources import RecordSource, check_rollouts_fit, record_source
 from runtime.data.tokenizer import tokenizer_id_for
 
@@ -79,8 +79,8 @@ class StepBatch(NamedTuple):
 
 def _check_layout(data: Manifest | Mixture, order: str, fields: tuple[str, ...]) -> None:
     """The order is known and fits each manifest's layout, which carries the requested fields."""
-    if order not in ORDERS:
-        raise ConfigError(f"data.order is {order!r}; use one of {', '.join(ORDERS)}")
+    if order not in DATA_ORDERS:
+        raise ConfigError(f"data.order is {order!r}; use one of {', '.join(DATA_ORDERS)}")
     for manifest in manifests_of(data):
         check_order(manifest, order)
         if missing := [f for f in fields if f not in manifest.field_names]:
@@ -120,7 +120,7 @@ class TokenBatches:
         seq_len: int,
         global_batch_size: int,
         accum: int = 1,
-        order: Order = "shuffle",
+        order: DataOrder = "shuffle",
         seed: int = 0,
         process_index: int = 0,
         process_count: int = 1,
@@ -430,11 +430,11 @@ def check_objective(manifest: Manifest, objective: str) -> None:
     missing = [f for f in OBJECTIVE_FIELDS[objective] if f not in manifest.field_names]
     if not missing:
         return
-    where = f"{manifest.root}/manifest.json"
+    where = manifest_uri(manifest.root)
     if manifest.layout == "stream":
         what = (
             f"{where} is a text token stream; prepare rollout JSONL with `runtime data prepare "
-            '--format rollouts` (README, "RL rollouts")'
+            '--format rollouts` (docs/data.md, "RL rollouts")'
         )
     else:
         what = (

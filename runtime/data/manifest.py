@@ -10,6 +10,8 @@ Public API:
                                                       deep=True re-hash every file and re-scan token
                                                       ids; returns a summary
     write_manifest(manifest: Manifest, uri: str)      one atomic write (tmp + rename, or one put)
+    MANIFEST_FILE = "manifest.json"                   the manifest's name in its dataset's folder
+    manifest_uri(folder: str) -> str                  the manifest of the dataset in `folder`
     compute_fingerprint(manifest) -> str              hash over tokenizer id, dtype and file hashes
     token_dtype_for(vocab_size) -> str                "uint16" if every id fits, else "uint32"
     read_offsets(manifest, split) -> np.ndarray       the split's int64 document offsets, checked
@@ -29,7 +31,7 @@ offsets whole where they are read); they are not part of the fingerprint, so suc
 and its re-prepared twin are the same dataset.
 
 Layouts. "stream" (text): documents are concatenated and rows are cut from the stream.
-"rollouts" (RL / SFT data, see rollouts.py): every document is one rollout (prompt then
+"rollouts" (RL / SFT data, see prepare/rollouts.py): every document is one rollout (prompt then
 completion) and a row holds exactly one rollout. A rollouts split also carries per-token fields,
 streams aligned one to one with the tokens and cut into shards at the same token counts:
     train-loss_mask-00000.bin      uint8, 1 where the token is a completion token (a trained target)
@@ -50,13 +52,20 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from jobspec.errors import DataError
-from jobspec.storage import is_remote, join, url_to_fs, with_retries
+from jobspec.run_config import is_remote
+from runfolder.storage import join, url_to_fs, with_retries
 from runtime.data.samples import read_digests
 
 FORMAT = "jaxjob.tokens"
 VERSION = 1
 OFFSET_DTYPE = np.dtype("<i8")
 HASH_CHUNK = 8 << 20
+MANIFEST_FILE = "manifest.json"  # in the dataset's folder, beside (or above) its shards
+
+
+def manifest_uri(folder: str) -> str:
+    """The manifest of the dataset in `folder` (a local path or a URI)."""
+    return join(folder, MANIFEST_FILE)
 
 
 class _Model(BaseModel):
@@ -128,7 +137,7 @@ class SourceInfo(_Model):
     shard_tokens: int
     # Absent in manifests made before parquet inputs and parts.
     text_field: str | None = None
-    part_bytes: int | None = Field(None, description="Input bytes per part (see parts.py).")
+    part_bytes: int | None = Field(None, description="Input bytes per part (see prepare/parts.py).")
     parts: int | None = None
 
 

@@ -4,6 +4,8 @@ Public API:
     Mixture(names, manifests, weights)         the loaded sources (one tokenizer, stream layout)
     load_data(data: DataConfig, is_writer=True) -> Manifest | Mixture   what a run trains on: one
                                                manifest (prepared on first use) or a mixture
+    ensure_manifest(data: DataConfig, is_writer=True) -> Manifest   data.manifest, made first by
+                                               `[data.prepare]` when absent
     open_data(data: DataConfig) -> Manifest | Mixture   the same without preparing (eval, import)
     manifests_of(data) -> list[Manifest]       the manifest(s) behind either
     block_counts(shares, block) -> np.ndarray  samples of each source in every block
@@ -28,10 +30,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jobspec.errors import DataError
-from jobspec.run_config import MIXTURE_BLOCK, DataConfig
+from jobspec.run_config import MIXTURE_BLOCK, DataConfig, DataOrder
+from runfolder.storage import url_to_fs
 from runtime.data.manifest import Manifest, load_manifest
-from runtime.data.order import EpochCache, Order, RecordOrder, permutation, record_order
-from runtime.data.prepare import ensure_manifest
+from runtime.data.order import EpochCache, RecordOrder, permutation, record_order
 from runtime.data.sources import RecordSource, Rows, record_source
 
 MIXTURE_STREAM = 2  # the block permutations: apart from order.py's record and document streams
@@ -174,7 +176,7 @@ def mixture_reader(
     mixture: Mixture,
     split: str,
     seq_len: int,
-    order: Order,
+    order: DataOrder,
     seed: int,
     fields: tuple[str, ...],
 ) -> tuple[MixtureSource, MixtureOrder]:
@@ -207,6 +209,27 @@ def open_data(data: DataConfig) -> Manifest | Mixture:
         return load_manifest(data.manifest or "")
     manifests = [_load_source(i, s.manifest) for i, s in enumerate(data.sources)]
     return Mixture([d.name for d in data.datasets], manifests, [s.weight for s in data.sources])
+
+
+def ensure_manifest(data: DataConfig, *, is_writer: bool = True) -> Manifest:
+    """Load the manifest; make it first when it is absent and `[data.prepare]` says how.
+
+    Only the writer prepares (the prepare side, runtime/data/prepare/, is imported only then);
+    the other hosts wait for it at a barrier, so a multi-host job prepares once (on storage
+    every host reads: a shared path or gs://).
+    """
+    if data.prepare is not None:
+        fs, path = url_to_fs(data.manifest)
+        if is_writer and not fs.exists(path):
+            from runtime.data.prepare.build import prepare_for_run
+
+            prepare_for_run(data)
+        import jax  # here only: loading a manifest never needs it
+        from jax.experimental import multihost_utils
+
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxjob:data-prepared")
+    return load_manifest(data.manifest)
 
 
 def load_data(data: DataConfig, *, is_writer: bool = True) -> Manifest | Mixture:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-Order = Literal["sequential", "shuffle", "document_buffer"]
-ORDERS = ("sequential", "shuffle", "document_buffer")
+from jobspec.run_config import DataOrder
+
 _EPOCH_CACHE = 4  # a step may straddle an epoch end; prefetch threads may be a step or two apart
 RECORD_STREAM, DOCUMENT_STREAM = 0, 1  # separate permutations drawn from the same (seed, epoch)
 
@@ -86,7 +86,7 @@ class EpochRowOrder:
         return n
 
 
-def record_order(order: Order, records_per_epoch: int, seed: int) -> RecordOrder:
+def record_order(order: DataOrder, records_per_epoch: int, seed: int) -> RecordOrder:
     """The order object for data.order over `records_per_epoch` records."""
     if order == "shuffle":
         return ShuffleOrder(records_per_epoch, seed)

@@ -4,7 +4,7 @@ A record is one row of seq_len+1 tokens (inputs = row[:-1], targets = row[1:]).
   FixedWindows    record i = stream tokens [i*T, i*T + T + 1); N = (L - 1) // T records
   PackedDocuments record e*N + i = window i of epoch e's documents, permuted from (seed, e) and
                   concatenated (data.order = document_buffer)
-  RolloutRows     record i = rollout i, one per row and never cut (see rollouts.py)
+  RolloutRows     record i = rollout i, one per row and never cut (see prepare/rollouts.py)
 
 Rows (numpy, shape ids.shape + [seq_len]): inputs int32, targets int32, loss_mask float32
 (1 = counted), segment_ids int32 (1, 2, … per document within a row), positions int32 (0 at the
@@ -24,7 +24,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from jobspec.errors import DataError
-from jobspec.storage import is_remote, url_to_fs, with_retries
+from jobspec.run_config import is_remote
+from runfolder.storage import url_to_fs, with_retries
 from runtime.data.manifest import Manifest, read_offsets
 from runtime.data.order import DOCUMENT_STREAM, EpochCache, permutation
 

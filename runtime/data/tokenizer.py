@@ -23,7 +23,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 from jobspec.errors import DataError
-from jobspec.storage import url_to_fs
+from runfolder.storage import url_to_fs
 
 BYTE_ID = "byte"
 BYTE_EOS = 256

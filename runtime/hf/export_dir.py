@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.errors import ConfigError, StorageError, StorageFaultError
-from jobspec.storage import storage_fault
+from runfolder.storage import storage_fault
 
 MARKER = "jaxjob-export.json"
 MARKER_FORMAT = "jaxjob.hf-export"

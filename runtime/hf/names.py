@@ -5,8 +5,9 @@ runtime/model/, and `spec_for(cfg).hf_names` in runtime/model/registry.py picks 
 A path is the tuple `nnx.to_flat_state` gives, e.g. `("layers", 0, "self_attn", "q_proj",
 "kernel")`. Our kernels are [in, out] and HF `nn.Linear` weights are [out, in], so every
 projection transposes; embeddings, biases and norm scales copy as they are. Qwen3-MoE stacks its
-experts ([E, in, out], see runtime/model/moe.py); an entry with `expert = e` is slice e of that
-stack, which HF's saved checkpoints keep as a separate `mlp.experts.{e}.*_proj.weight` per expert.
+experts ([E, in, out], see runtime/model/moe/layer.py); an entry with `expert = e` is slice e of
+that stack, which HF's saved checkpoints keep as a separate `mlp.experts.{e}.*_proj.weight` per
+expert.
 With `model.scan_layers` the layers are stacked too: the path has no layer index
 (`("layers", "self_attn", "q_proj", "kernel")`, [L, in, out]) and an entry with `layer = i` is
 slice i of it (then slice `expert` of that), HF's `model.layers.{i}.…` either way. Layers

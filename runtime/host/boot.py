@@ -1,6 +1,6 @@
 """How a host process learns who it is, and joins the others: the one boot path of `runtime`.
 
-Every backend sets the same environment contract (DESIGN.md, "The seam"):
+Every backend sets the same environment contract (docs/jobs-and-backends.md, "Multi-host"):
 
     JAXJOB_RUN_ID  JAXJOB_COORDINATOR (host:port of process 0)  JAXJOB_NUM_PROCESSES
     JAXJOB_PROCESS_ID  JAXJOB_OUTPUT_URI  JAXJOB_ATTEMPT (default 0)
@@ -271,8 +271,9 @@ def detect_cluster(env: Mapping[str, str] | None = None) -> str | None:
     """The name of JAX's cluster detector that applies to a multi-process job here, or None.
 
     Only the two we support: SLURM with more than one task, and GKE TPU with more than one host.
-    (JAX also probes OpenMPI, GCE TPU metadata and Kubernetes; FACTS.md explains why its
-    Kubernetes detector is wrong for multi-slice JobSets, so those are left to the contract.)
+    (JAX also probes OpenMPI, GCE TPU metadata and Kubernetes; its Kubernetes detector numbers
+    a pod by its index within its own Job, which repeats across the Jobs of a multi-slice JobSet,
+    so those are left to the contract.)
     """
     from jax._src.clusters import GkeTpuCluster, SlurmCluster
 

@@ -27,7 +27,8 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from jobspec.extras import has_module
-from jobspec.storage import is_remote, join
+from jobspec.run_config import is_remote
+from runfolder.storage import join
 
 CACHE_BYTES = 4 << 30
 ENV = "JAXJOB_COMPILATION_CACHE"

@@ -41,7 +41,7 @@ from types import FrameType
 from typing import Any
 
 from jobspec.exit_codes import EXIT_HOST_LOST
-from jobspec.storage import on_retry
+from runfolder.storage import on_retry
 from runtime.host import boot, hostlog, startup
 
 

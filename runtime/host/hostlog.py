@@ -24,8 +24,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from jobspec.run_dir import host_log
-from jobspec.storage import PART_BYTES, is_remote, join, part_path, url_to_fs
+from jobspec.run_config import is_remote
+from runfolder.layout import host_log
+from runfolder.storage import PART_BYTES, join, part_path, url_to_fs
 
 FLUSH_EVERY_S = 5.0
 # Bytes a sink holds while its destination fails or stalls; output beyond that is dropped (and
@@ -304,7 +305,7 @@ class HostLogTee:
         self._flush_remote()  # the rest of the log, at close
 
     def _flush_remote(self) -> None:
-        """Upload what is new as the log's tail part, `<log>.parts/000000.log`, … (jobspec.storage
+        """Upload what is new as the log's tail part, `<log>.parts/000000.log`, … (runfolder.storage
         parted objects, which `launch logs` reads back in order): the part is rewritten while
         under PART_BYTES, then the next one starts and the finished bytes leave memory, so an
         upload costs at most one part however long the run. Only the flusher thread uploads."""

@@ -6,12 +6,12 @@ array_type_handler] _SignalingThread.run() raised an exception: ...", "[process=
 6 Handler Commit operations ...", "[process=0][thread=MainThread][step=10][wait_until_finished]
 Save Finalize thread (save_finalize) failed."), eight lines for one full disk, and then raises
 that exception to its caller, where the runtime reports it in one sentence
-(runtime/run/checkpoint.py). Its "[process=N]" error lines are those reports: they are dropped.
+(runtime/run/checkpoint/service.py). Its "[process=N]" error lines are those reports: they are dropped.
 Its other errors (a checkpoint it failed to remove, which it does not raise) are kept.
 
 gcsfs does the same for a request it gives up on ("_request out of retries on exception: ...",
 "... non-retriable exception: ...", each with a traceback) and then raises it: the runtime's
-storage layer retries or reports it in one sentence (jobspec/storage.py), so those go too.
+storage layer retries or reports it in one sentence (runfolder/storage.py), so those go too.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def start_backend() -> None:
     thread's own first call, which raises it where it is reported."""
     import jax  # imported here, on the calling thread: the thread below only starts the client
 
-    from jobspec.background import in_background
+    from runfolder.background import in_background
 
     started = in_background(jax.devices, "jaxjob-backend-start")  # its error stays in the future
     # An exit (a refused config, a stop) must not finalise the interpreter under a client start;

@@ -51,7 +51,7 @@ GRACE_S = 2.0
 REDELIVER_S = 0.05
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _ROOT = Path(__file__).resolve().parents[2]
-_OURS = tuple(str(_ROOT / pkg) + os.sep for pkg in ("jobspec", "runtime", "launch"))
+_OURS = tuple(str(_ROOT / pkg) + os.sep for pkg in ("jobspec", "runfolder", "runtime", "launch"))
 _CLICK = str(Path(click.__file__).resolve().parent) + os.sep
 
 

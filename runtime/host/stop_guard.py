@@ -4,7 +4,7 @@ stopped answering.
 StopAgreement's handler only records the signal; the loop stops at the next step, saves and
 exits 42. A storage that does not answer can keep the main thread from ever getting there:
 
-* inside one of our storage calls (jobspec.storage.with_retries): `storage.interrupt` makes that
+* inside one of our storage calls (runfolder.storage.with_retries): `storage.interrupt` makes that
   call give up STOP_GRACE_S after the signal and no call retry after it, so the run ends the way
   any storage fault does: its own sentence, exit 45;
 * inside a call no deadline of ours covers (an Orbax save, a data read), perhaps blocked in C++
@@ -26,8 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from jobspec import storage
 from jobspec.exit_codes import EXIT_STORAGE_FAULT
+from runfolder import storage
 from runtime.host import boot, hostlog
 
 WAIT_S = 20.0  # after the signal: time for the loop's own way out (a save, or a storage fault)

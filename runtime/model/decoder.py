@@ -34,7 +34,7 @@ from runtime.model.layers import (
     remat_call,
     softcap,
 )
-from runtime.model.moe import MoEStats, stack_stats
+from runtime.model.moe.layer import MoEStats, stack_stats
 from runtime.model.sharding import constrain
 
 

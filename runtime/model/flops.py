@@ -11,8 +11,8 @@ is directly comparable with theirs; a causal-aware count would be 6 * L * T * H 
 
 Each family's spec (runtime/model/registry.py) supplies its counts and formula; an MoE family's N
 counts the router and only the k active experts per token (model FLOPs), while
-runtime/model/moe.py's dense dispatch computes all E experts: its MFU understates the hardware's
-work.
+runtime/model/moe/layer.py's dense dispatch computes all E experts: its MFU understates the
+hardware's work.
 """
 
 from __future__ import annotations

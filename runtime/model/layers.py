@@ -15,7 +15,7 @@ from flax import nnx
 from jax import lax
 
 from jobspec.families.model_config import ModelConfig
-from runtime.model.attention import SPLASH_RESIDUALS
+from runtime.model.attention.kernels import SPLASH_RESIDUALS
 from runtime.model.sharding import constrain, context_size
 
 #: Logical names of the activations model code pins with `constrain` (one per dimension): the

@@ -7,7 +7,7 @@ parameters (and so optimizer state) over `fsdp` x `context` along `embed`; TP sh
 hidden and vocab over `tensor`; MoE experts shard over `expert`; the batch is split over `slice`
 x `data` x `expert` x `fsdp` (outside the MoE blocks the expert axis is one more data-parallel
 axis), and each sequence's length over `context` (context parallelism: attention gathers the
-keys and values over it, runtime/model/attention.py).
+keys and values over it, runtime/model/attention/kernels.py).
 
 One table serves parameters and activations: a mesh axis is used once per array, by the first
 dimension that claims it, so an activation [batch, length, embed] puts `fsdp` on the batch
@@ -48,7 +48,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "norm": None,
-    # MoE experts: sharded over the expert-parallel axis (runtime/model/moe_dispatch.py).
+    # MoE experts: sharded over the expert-parallel axis (runtime/model/moe/dispatch.py).
     "expert": "expert",
     # The stacked-layer axis of scanned parameters: every chip holds every layer's shard (the
     # scan slices one layer per step), so it is never split.

@@ -12,7 +12,7 @@ import jax
 
 from jobspec.families.model_config import ModelConfig
 from runtime.hf.names import Entry
-from runtime.model.moe import MoEStats
+from runtime.model.moe.layer import MoEStats
 
 
 class FamilyModel(Protocol):

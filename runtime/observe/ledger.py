@@ -1,7 +1,7 @@
 """Where an attempt's wall time goes: a ledger the train loop moves from bucket to bucket.
 
 Every second from the process's start is in exactly one bucket, so the buckets of a snapshot sum
-to its wall time. The writer records snapshots as `ledger` events (jobspec.goodput reads them):
+to its wall time. The writer records snapshots as `ledger` events (runfolder.goodput reads them):
 at checkpoints, evals, at most every RECORD_EVERY_S while stepping, and when the attempt ends.
 """
 
@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
-# Buckets (jobspec.goodput.BUCKETS says what each means).
+# Buckets (runfolder.goodput.BUCKETS says what each means).
 STARTUP, RESTORE, COMPILE, DATA_WAIT, PRODUCTIVE, RECOMPUTED = (
     "startup", "restore", "compile", "data_wait", "productive", "recomputed",
 )  # fmt: skip

@@ -13,10 +13,11 @@ import os
 from typing import Any, Literal
 
 from jobspec.errors import StorageError
-from jobspec.run_dir import EVAL_METRICS, EVENTS, MANIFEST, TRAIN_METRICS, EventKind
-from jobspec.run_store import ArtifactStore
-from jobspec.storage import is_remote, url_to_fs
-from runtime.run.inspect import open_run
+from jobspec.run_config import is_remote
+from runfolder.layout import EVAL_METRICS, EVENTS, MANIFEST, TRAIN_METRICS, EventKind
+from runfolder.storage import url_to_fs
+from runfolder.store import ArtifactStore
+from runfolder.view import open_run
 
 Axis = Literal["step", "tokens"]
 FIGSIZE = (12.0, 8.0)  # inches; at DPI the PNG is 1200 x 800 pixels

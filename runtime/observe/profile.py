@@ -17,8 +17,8 @@ from collections.abc import Callable
 import jax
 
 from jobspec.run_config import ProfileConfig
-from jobspec.run_dir import PROFILE, profile_dir
-from jobspec.run_store import ArtifactStore
+from runfolder.layout import PROFILE, profile_dir
+from runfolder.store import ArtifactStore
 
 
 class ProfileWindow:

@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 from jobspec.run_config import MetricsConfig, WandbConfig
-from jobspec.run_dir import TENSORBOARD, WANDB
-from jobspec.run_store import ArtifactStore
+from runfolder.layout import TENSORBOARD, WANDB
+from runfolder.store import ArtifactStore
 
 # Row fields that are not scalars to plot against the step.
 NOT_SCALARS = {"step", "tokens", "batch_hash", "record_ids", "name", "time", "elapsed"}

@@ -21,8 +21,8 @@ from typing import Any
 import jax
 
 from jobspec.run_config import RunConfig
-from runtime.model import moe_dispatch
 from runtime.model.flops import flops_per_token, parameter_counts
+from runtime.model.moe import dispatch as moe_dispatch
 from runtime.model.sharding import build_mesh
 from runtime.plan import hlo, steptime
 from runtime.plan.targets import Target, check_mesh
@@ -289,7 +289,7 @@ def kernel_attention_flops(cfg: RunConfig, analytic: dict[str, float]) -> float:
     backward, 12LTHD) less the causal blocks it skips (of n x n query/key blocks of the kernel's
     block size, it runs n(n+1)/2), plus the forward again when blocks are rematerialised and
     the policy does not keep the kernel's outputs."""
-    from runtime.model.attention import splash_block
+    from runtime.model.attention.kernels import splash_block
     from runtime.model.layers import KEEPS_ATTENTION_KERNEL
 
     n = max(1, cfg.training.seq_len // splash_block(cfg.training.seq_len))

@@ -31,7 +31,7 @@ def prepare_environment(accelerator: str) -> None:
 
 
 def is_gpu(accelerator: str) -> bool:
-    from jobspec.catalogue import lookup
+    from jobspec.hardware.catalogue import lookup
 
     try:
         return lookup(accelerator).kind == "gpu"
@@ -53,8 +53,8 @@ _COMPILERS = {
 def check_compiler(accelerator: str) -> None:
     """One sentence naming the `plan` extra when the target's compiler is not installed (JAX
     would say it in a 40-line traceback at the first compile)."""
-    from jobspec.catalogue import lookup
     from jobspec.extras import require
+    from jobspec.hardware.catalogue import lookup
 
     try:
         kind = lookup(accelerator).kind

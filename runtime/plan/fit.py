@@ -143,7 +143,7 @@ def sequences_per_step(cfg) -> int:
 
 
 def _with(cfg, c: Candidate):
-    from jobspec.load import merge, resolved_dict
+    from jobspec.files.run_toml import merge, resolved_dict
     from jobspec.run_config import RunConfig
 
     # The sequences a step trains on stay; accumulation splits them into microbatches.
@@ -263,7 +263,7 @@ def fit(
     progress: Callable[[dict], None] | None = None,
 ) -> dict[str, Any]:
     """Search the candidates; returns the rows tried (in order), the skipped ones and the pick."""
-    from jobspec.load import resolved_dict
+    from jobspec.files.run_toml import resolved_dict
     from runtime.plan.targets import check_mesh, resolve_target
 
     target = resolve_target(accelerator, hosts, slices)

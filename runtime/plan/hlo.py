@@ -526,7 +526,7 @@ class _Tally:
                     "within_slice": self.within,
                     "across_slices": self.across,
                     "unknown_scope": self.unknown_scope,
-                    # The MoE dispatch's exchanges (runtime/model/moe_dispatch.py), a part of
+                    # The MoE dispatch's exchanges (runtime/model/moe/dispatch.py), a part of
                     # all-to-all; bytes are the most rows each can send (dropless: every assignment).
                     "ragged_all_to_all": self.ragged,
                 }

@@ -280,7 +280,7 @@ def _splash_flops(comp: hlo.Computation, ins: hlo.Instr, kind: str) -> tuple[flo
     n = grids[0][1] if grids else 1
     # A square grid is a causal sequence; a wide one (q blocks x more kv blocks) is a chunk of
     # a sequence split by mesh.context: a device's two chunks of the balanced layout keep half
-    # of their blocks between them (runtime/model/context_parallel.py).
+    # of their blocks between them (runtime/model/attention/context_parallel.py).
     kept = ((n + 1) / (2 * n) if grids[0][1] == grids[0][2] else 0.5) if grids else 1.0
     rows = math.prod(q[:-1])  # batch x heads x T query rows
     flops = _SPLASH_MATMULS[kind] * 2.0 * rows * k[-2] * q[-1] * kept

@@ -4,7 +4,7 @@ TPU targets come from libtpu's topology descriptions (no chip needed), GPU targe
 PJRT plugin given a `GpuTargetConfigProto` per chip kind (`gpu_targets/*.txtpb`, no GPU or
 driver needed), `cpu` is this process's own host devices (`--xla_force_host_platform_device_count`).
 HBM per chip is the vendor's published capacity; peak FLOP/s come from
-`jobspec.accelerators.peak_bf16_flops`, the table MFU is reported with.
+`jobspec.hardware.peaks.peak_bf16_flops`, the table MFU is reported with.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
 
-from jobspec.accelerators import peak_bf16_flops
-from jobspec.catalogue import Accelerator, lookup
 from jobspec.errors import ConfigError
+from jobspec.hardware.catalogue import Accelerator, lookup
+from jobspec.hardware.peaks import peak_bf16_flops
 
 GIB = 2**30
 # Published HBM per chip (bytes). TPU v5p: 95 GB; the compiler itself reports 95.74 GiB usable.

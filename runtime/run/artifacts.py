@@ -1,7 +1,7 @@
 """What a run writes besides checkpoints: manifest, config copies, diagnostics, metrics, events,
 summaries. The manifest, events and summaries are built here; train and eval rows come built
 (runtime/train); everything goes to the ArtifactStore, the only writer of files, at the paths
-jobspec.run_dir names.
+runfolder.layout names.
 
 Host-global files are written by the writer host only; the others build nothing to write.
 """
@@ -17,13 +17,13 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jobspec import goodput
-from jobspec.accelerators import peak_bf16_flops
 from jobspec.errors import DivergedError
-from jobspec.evals import eval_summary
-from jobspec.load import resolved_dict
+from jobspec.files.run_toml import resolved_dict
+from jobspec.hardware.peaks import peak_bf16_flops
 from jobspec.run_config import RunConfig
-from jobspec.run_dir import (
+from runfolder import goodput
+from runfolder.evals import eval_summary
+from runfolder.layout import (
     DIAGNOSTICS,
     EVAL_METRICS,
     EVENTS,
@@ -39,10 +39,10 @@ from jobspec.run_dir import (
     TrainRow,
     now,
 )
-from jobspec.run_store import ArtifactStore
+from runfolder.store import ArtifactStore
 from runtime.host import boot
-from runtime.model import moe_dispatch
 from runtime.model.flops import flops_per_token, parameter_counts
+from runtime.model.moe import dispatch as moe_dispatch
 from runtime.run import disk_reserve
 from runtime.run.meta import run_manifest
 
@@ -281,7 +281,7 @@ class RunArtifacts:
         Each record is tried on its own (the original error matters more than a failed report
         of it), on the room the disk reserve leaves: on a full disk the manifest still gets
         written, and where even it does not fit, the failure event newer than the `running`
-        manifest is what readers go by (jobspec.run_status)."""
+        manifest is what readers go by (runfolder.outcome)."""
         if not self.writer:
             return
         disk_reserve.release(self.store)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobspec.errors import StorageError
-from jobspec.run_store import ArtifactStore
-from jobspec.storage import with_retries
+from runfolder.storage import with_retries
+from runfolder.store import ArtifactStore
 
 FILE = "checksums.json"
 CHUNK = 16 << 20  # bytes per read: one request on gs://, bounded memory for any file size

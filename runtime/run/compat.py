@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from jobspec.errors import CheckpointError
-from jobspec.load import resolved_dict
+from jobspec.files.run_toml import resolved_dict
 from jobspec.run_config import RunConfig
 from runtime.data.mixture import manifests_of
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from jobspec.run_dir import DISK_RESERVE
-from jobspec.run_store import ArtifactStore
+from runfolder.layout import DISK_RESERVE
+from runfolder.store import ArtifactStore
 
 # A few blocks of any filesystem: the failure event, the manifest and a final summary.
 RESERVE_BYTES = 64 * 1024

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from jobspec.background import in_background
-from jobspec.run_store import ArtifactStore
+from runfolder.background import in_background
+from runfolder.store import ArtifactStore
 
 _early: dict[str, Future] = {}  # run root -> Future[(step, items, Finding) | None]
 
@@ -29,7 +29,9 @@ def start(root_uri: str, from_step: int | None) -> None:
         return
 
     def compare():
-        from runtime.run.checkpoint import RESUME_ITEMS, check_step, reconciled_entries
+        from runtime.run.checkpoint.index import reconciled_entries
+        from runtime.run.checkpoint.orbax_manager import RESUME_ITEMS
+        from runtime.run.checkpoint.verify import check_step
 
         steps = reconciled_entries(store)
         step = from_step if from_step is not None else max(steps, default=None)

@@ -12,7 +12,7 @@ from typing import Any
 
 from jobspec.errors import CheckpointError
 from jobspec.run_config import RunConfig
-from jobspec.run_dir import LAYOUT
+from runfolder.layout import LAYOUT
 
 
 @dataclass(frozen=True)

@@ -52,15 +52,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import quote
 
-from jobspec.background import in_background
 from jobspec.errors import JaxjobError, RunOwnedError, StorageError
 from jobspec.exit_codes import EXIT_BAD_INPUT
-from jobspec.run_dir import OWNER, OWNER_LOCK
-from jobspec.storage import (
+from jobspec.run_config import is_remote
+from runfolder.background import in_background
+from runfolder.layout import OWNER, OWNER_LOCK
+from runfolder.storage import (
     DEFAULT_RETRY,
     NoAnswer,
     RetryPolicy,
-    is_remote,
     join,
     url_to_fs,
     with_retries,
@@ -398,7 +398,7 @@ class RunClaim:
             try:
                 with_retries(self._remove, f"release {self.uri}", _RELEASE_RETRY)
             except Exception as e:  # the lease lapses by itself; never mask the run's own end
-                from jobspec.storage import gave_up
+                from runfolder.storage import gave_up
 
                 if gave_up() is None:  # else the run's own sentence says the storage failed
                     print(
@@ -539,6 +539,7 @@ def claim_run(
                 code = e.exit_code if isinstance(e, JaxjobError) else EXIT_BAD_INPUT
                 text = str(e) if isinstance(e, JaxjobError) else f"{type(e).__name__}: {e}"
                 _publish(client, key, f"{code}|{text}")
+                _end_together(boot, text, code)
             raise
         if client is not None:
             _publish(client, key, "ok")
@@ -560,8 +561,21 @@ def claim_run(
         return None
     code, _, text = value.partition("|")
     err: JaxjobError = RunOwnedError(text) if int(code) == EXIT_BAD_INPUT else JaxjobError(text)
-    err.exit_code = int(code)
-    raise err
+    _end_together(boot, text, int(code))
+    raise err  # not reached: _end_together exits
+
+
+def _end_together(boot: Any, message: str, code: int) -> None:
+    """Every host of a refused job (each of them reaches here) leaves the cluster together
+    (JAX's shutdown barrier: the writer, which hosts the coordination service, stays until the
+    others have read its answer), then ends with `error: message` and `code` without Python's
+    shutdown: the distributed runtime's threads could otherwise abort a host at interpreter
+    exit (return code -6 after its sentence). Nothing was written, so nothing is left to flush."""
+    from runtime.host import hostlog
+
+    with contextlib.suppress(Exception):
+        boot.shutdown()
+    hostlog.fatal(message, code)
 
 
 def _publish(client: Any, key: str, value: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 
 from jobspec.run_config import RunConfig
-from jobspec.run_dir import EvalRow, EventKind, now
+from runfolder.layout import EvalRow, EventKind, now
 from runtime.data.loader import TokenBatches, eval_loader
 from runtime.data.mixture import Mixture
 from runtime.model.sharding import batch_sharding, host_rows, on_mesh, replicated

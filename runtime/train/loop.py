@@ -17,11 +17,11 @@ import numpy as np
 
 from jobspec.errors import CheckpointError, DivergedError, StorageError
 from jobspec.exit_codes import EXIT_RESTARTABLE
-from jobspec.load import resolved_dict
+from jobspec.files.run_toml import resolved_dict
 from jobspec.run_config import RunConfig
-from jobspec.run_dir import SUMMARY, EventKind
-from jobspec.run_store import ArtifactStore
-from jobspec.storage import configure_gcs_env, join
+from runfolder.layout import SUMMARY, EventKind
+from runfolder.storage import configure_gcs_env, join
+from runfolder.store import ArtifactStore
 from runtime.data.eval_rows import check_evals
 from runtime.data.loader import TokenBatches, check_for_run, train_batches
 from runtime.data.mixture import load_data
@@ -36,10 +36,10 @@ from runtime.observe.profile import ProfileWindow
 from runtime.observe.sinks import MetricSinks
 from runtime.observe.startup_log import StartupLog
 from runtime.run import artifacts, early_check, owner
-from runtime.run.checkpoint import CheckpointService
+from runtime.run.checkpoint.service import CheckpointService
 from runtime.run.compat import run_fingerprint
 from runtime.run.meta import CheckpointMeta
-from runtime.train.cadence import Cadence, Due
+from runtime.train.cadence import Cadence, Due, final_save
 from runtime.train.evaluate import Evaluator
 from runtime.train.metrics import NONFINITE_KEYS, TrainMetrics
 from runtime.train.optim import build_optimizer
@@ -226,8 +226,6 @@ def _train(
         store,
         keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_,
-        every=cfg.checkpoint.every,
-        last_step=cfg.training.total_steps,
         early_finding=early_check.take,  # compared from the process start (run/early_check.py)
     )
     info = boot.current()
@@ -347,7 +345,10 @@ def _loop(
     """
     total_steps = run.cfg.training.total_steps
     end_step = total_steps if max_steps is None else min(total_steps, run.start_step + max_steps)
-    cadence = Cadence(run.evaluator, run.ckpt, stop, run.profile, end_step)
+    every = run.cfg.checkpoint.every
+    cadence = Cadence(
+        run.evaluator, stop, run.profile, end_step, save_every=every, last_step=total_steps
+    )
     with run.batches.iterate(run.start_step) as it:
         if run.data_state is not None:
             it.set_state(run.data_state)
@@ -478,7 +479,7 @@ def _finish(
     run.profile.abandon()  # an attempt that stopped inside the window: no partial trace
     run.ledger.switch(buckets.FINISH)
     extra: dict[str, Any] = {}
-    save = status != "interrupted" or cfg.checkpoint.on_signal
+    save = final_save(status, on_signal=cfg.checkpoint.on_signal)
     # The final save starts before the final evals: one that raises still leaves it committed
     # (the failure path waits for started saves), and their loss is added to its entry.
     if save:

@@ -1,6 +1,6 @@
 """Train rows and the live line. Timing comes only from explicit synchronisation points.
 
-`TrainMetrics` turns the step's device outputs into metrics/train.jsonl rows (jobspec.run_dir
+`TrainMetrics` turns the step's device outputs into metrics/train.jsonl rows (runfolder.layout
 `TrainRow`): the steps since the last sync are fetched together, timed, checked for finiteness
 (training.on_nonfinite) and handed to the run's artifacts, which write them.
 """
@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jobspec.goodput import duration
 from jobspec.run_config import RunConfig
-from jobspec.run_dir import EventKind, TrainRow
+from runfolder.goodput import duration
+from runfolder.layout import EventKind, TrainRow
 from runtime.model.flops import flops_per_token
 from runtime.run.artifacts import RunArtifacts, device_peak
 

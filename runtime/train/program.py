@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from jobspec.background import in_background
 from jobspec.run_config import RunConfig
+from runfolder.background import in_background
 from runtime.host import compile_cache
-from runtime.model import attention
+from runtime.model.attention import kernels as attention
 from runtime.model.build import ModelParts, build_model
 from runtime.model.sharding import batch_sharding, on_mesh, replicated
 from runtime.train.optim import build_optimizer

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jobspec.background import in_background
 from jobspec.errors import CheckpointError, ConfigError
 from jobspec.run_config import RunConfig
-from jobspec.run_dir import CHECKPOINTS, MANIFEST
-from jobspec.run_store import ArtifactStore
-from jobspec.storage import RetryPolicy, join, use_policy
+from runfolder.background import in_background
+from runfolder.layout import CHECKPOINTS, MANIFEST
+from runfolder.storage import RetryPolicy, join, use_policy
+from runfolder.store import ArtifactStore
 from runtime.host import boot
 from runtime.model.build import ModelParts, build_model
 from runtime.model.sharding import replicated
@@ -27,13 +27,10 @@ from runtime.observe import ledger as buckets
 from runtime.observe.ledger import TimeLedger
 from runtime.observe.startup_log import StartupLog
 from runtime.run import artifacts, owner
-from runtime.run.checkpoint import (
-    CheckpointService,
-    UnreadableCheckpointError,
-    reconciled_entries,
-    repair_index,
-    step_damage,
-)
+from runtime.run.checkpoint.errors import UnreadableCheckpointError
+from runtime.run.checkpoint.index import reconciled_entries, repair_index
+from runtime.run.checkpoint.service import CheckpointService
+from runtime.run.checkpoint.verify import step_damage
 from runtime.run.compat import check_compatible
 from runtime.run.meta import CheckpointMeta
 from runtime.train.optim import build_optimizer

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from runtime.model import context_parallel
-from runtime.model.moe import load_max_over_mean, update_router_bias
+from runtime.model.attention import context_parallel
+from runtime.model.moe.layer import load_max_over_mean, update_router_bias
 from runtime.train.loss import hidden_group_sums, hidden_loss_sums
 from runtime.train.state import TrainState
 
@@ -50,7 +50,7 @@ def _loss_sums(
     logits_dtype: str = "float32",
 ) -> tuple[jax.Array, Any]:
     """(loss sum, count); with_loads: (loss sum, (count, clipped, MoE stats or None)) (the
-    stats: `runtime.model.moe.MoEStats`, load [L, E] and dropped assignments [L]),
+    stats: `runtime.model.moe.layer.MoEStats`, load [L, E] and dropped assignments [L]),
     where clipped counts the clipped_pg tokens whose ratio was clipped (0 for cross-entropy).
 
     The loss is taken from the final hidden states and the head kernel `loss_chunk_size`

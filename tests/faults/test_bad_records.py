@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from jobspec.errors import ConfigError
-from jobspec.load_job import MAX_ALIAS_NODES, load_job
+from jobspec.files.job_yaml import MAX_ALIAS_NODES, load_job
 from jobspec.run_config import check_dns_label
 from launch.registry import Registry, RunRecord
 from launch.runid import is_run_id
@@ -207,8 +207,8 @@ def test_a_broken_record_is_one_line_and_the_others_list(tmp_path, content, why)
 def test_a_malformed_index_reads_as_the_committed_folders(tmp_path, capsys, index, why):
     """A malformed index is damage, as one cut short is (tests/faults/test_damaged_index.py):
     readers get the committed folders instead, with one warning line that says why."""
-    from jobspec.run_store import ArtifactStore
-    from runtime.run.checkpoint import load_index, reconciled_entries
+    from runfolder.store import ArtifactStore
+    from runtime.run.checkpoint.index import load_index, reconciled_entries
 
     run = tmp_path / "run"
     entry = {"step": 4, "metrics": {}}  # what the checkpoint's own `entry` item records

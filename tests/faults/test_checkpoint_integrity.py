@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 from runtime.commands.checkpoints import verify_checkpoints
 from runtime.train.loop import train
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 from runtime.run.inspect import inspect_run, render
 from runtime.train.loop import train
 

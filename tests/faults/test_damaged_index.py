@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 from runtime.commands.checkpoints import list_checkpoints, verify_checkpoints
 from runtime.commands.offline import eval_checkpoint
 from runtime.train.loop import train

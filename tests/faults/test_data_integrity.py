@@ -126,7 +126,7 @@ def test_old_manifests_still_load_and_their_offsets_are_checked(tmp_path, prepar
 def test_sampled_checksums_agree_however_the_bytes_arrive(tmp_path):
     """The writer's checksum (bytes in memory, or streamed in any chunks: merged offsets) is
     the one a load computes from range reads; a byte in a sampled block changes it."""
-    from jobspec.storage import url_to_fs
+    from runfolder.storage import url_to_fs
 
     data = np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8).tobytes()
     want = sample_digest(data)
@@ -151,8 +151,8 @@ def test_sampled_checksums_agree_however_the_bytes_arrive(tmp_path):
 
 @pytest.mark.gcs
 def test_gcs_shard_overwritten_in_place_is_refused(gs_run_uri, corpus_dir):
-    from jobspec.storage import url_to_fs
-    from runtime.data.prepare import prepare_dataset
+    from runfolder.storage import url_to_fs
+    from runtime.data.prepare.build import prepare_dataset
 
     m = prepare_dataset([str(corpus_dir / "*.txt")], "byte", gs_run_uri, val_fraction=0.1)
     uri = f"{gs_run_uri}/manifest.json"

@@ -1,4 +1,4 @@
-"""The run's output directory on a disk that fills up (issue 28, item 10): the job ends with one
+"""The run's output directory on a disk that fills up: the job ends with one
 sentence on stderr (no Orbax/absl ERROR lines before it), and the run's record says failed,
 though the disk has no room left for the manifest when the failure is recorded."""
 
@@ -14,7 +14,7 @@ import pytest
 from faults.conftest import fill
 
 from jobspec.exit_codes import EXIT_STORAGE_FAULT
-from launch.progress import read_progress
+from runfolder.view import read_progress
 
 from runs import ROOT, read_jsonl, run_cli, stderr_lines, tiny_config, write_config
 

@@ -21,8 +21,8 @@ import pytest
 
 from jobspec.errors import ConfigError, DivergedError
 from jobspec.exit_codes import EXIT_DIVERGED, is_restartable
-from jobspec.load import parse_run_config
-from jobspec.run_store import ArtifactStore
+from jobspec.files.run_toml import parse_run_config
+from runfolder.store import ArtifactStore
 from runtime.data.samples import sample_digest
 from runtime.run.inspect import inspect_run, render
 from runtime.train.loop import train

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from jobspec.errors import DataError
-from jobspec.load import parse_run_config
+from jobspec.files.run_toml import parse_run_config
 from runtime.commands.preflight import preflight
-from runtime.data.prepare import prepare_dataset
+from runtime.data.prepare.build import prepare_dataset
 from runtime.train.evaluate import Evaluator
 from runtime.train.loop import train
 

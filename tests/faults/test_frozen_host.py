@@ -1,4 +1,4 @@
-"""A host never blocks on its own log, and a host that stops advancing ends the job (issue 11.1).
+"""A host never blocks on its own log, and a host that stops advancing ends the job.
 
 The faults are real: the host log lives on a tmpfs filled to the last byte (every write fails
 with ENOSPC), the terminal is a pipe whose reader closed (EPIPE) or never reads, and the frozen

@@ -1,5 +1,4 @@
-"""A stalled host is the one blamed, and a run whose local supervisor died stays under control
-(issue 28, items 5 and 6).
+"""A stalled host is the one blamed, and a run whose local supervisor died stays under control.
 
 The faults are real: a host process is SIGSTOPped (it keeps its sockets, so no peer sees a
 reset, exactly like a frozen machine), and the supervisor is SIGKILLed. The first test runs the

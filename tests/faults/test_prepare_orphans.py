@@ -110,7 +110,7 @@ def test_workers_and_tracker_end_with_a_killed_prepare(tmp_path):
 # on that alone, whose parent is then SIGKILLed.
 WATCHER = """
 import os, sys, time
-import runtime.data.workers as w
+import runtime.data.prepare.workers as w
 w._death_signal = lambda: False  # as off Linux: the pid watch is all there is
 w.exit_with_parent(os.getppid())
 open(sys.argv[1], "w").close()

@@ -162,7 +162,7 @@ def test_interrupted_prepare_leaves_the_old_dataset(tmp_path):
 
 @pytest.mark.gcs
 def test_gcs_reprepare_swaps_and_a_failed_one_changes_nothing(tmp_path, gs_run_uri):
-    from jobspec.storage import url_to_fs
+    from runfolder.storage import url_to_fs
 
     fs, prefix = url_to_fs(gs_run_uri)
 

@@ -1,4 +1,4 @@
-"""One live owner per run directory (issue 11, point 2), with real processes.
+"""One live owner per run directory, with real processes.
 
 A second `runtime local` on a run another process is training exits 2 with one sentence naming
 the owner and changes nothing; a dead owner's claim is taken over (at once when its pid is gone
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from jobspec.errors import RunOwnedError
-from jobspec.storage import parted_exists, read_parted, url_to_fs
 from launch.backend import TERMINAL
+from runfolder.storage import parted_exists, read_parted, url_to_fs
 from runtime.run.owner import OwnerRecord, takeover_reason
 
 from runs import ROOT, run_cli, stderr_lines, tiny_config, write_config

@@ -1,5 +1,5 @@
 """A job spec or run config that gives a key twice, and a local job with more host processes than
-one machine runs (issue 28, item 11): each is refused with one sentence naming the key or field
+one machine runs: each is refused with one sentence naming the key or field
 (and the line), exit 2, before anything is written or submitted."""
 
 from __future__ import annotations

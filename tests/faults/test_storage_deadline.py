@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from faults.gcs_proxy import GcsFaultProxy
 
-import jobspec.storage as storage
+import runfolder.storage as storage
 from jobspec.errors import StorageFaultError
 from jobspec.exit_codes import EXIT_STORAGE_FAULT
 
@@ -261,7 +261,7 @@ def test_a_data_server_that_stops_answering_ends_the_run_within_the_retry_budget
     """The dataset on gs://: once the run has stepped (its first metrics upload), the token
     reads get no answer. A read is a storage call with a deadline like any other, from inside
     Grain's reader threads: exit 45 and one sentence naming the data, within the budget."""
-    from jobspec.storage import url_to_fs
+    from runfolder.storage import url_to_fs
 
     fs, path = url_to_fs(f"{gs_run_uri}/data")
     fs.put(str(Path(prepared).parent) + "/", path, recursive=True)

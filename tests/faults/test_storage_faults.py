@@ -156,7 +156,7 @@ def test_gcs_503s_for_a_while_are_retried(tmp_path, prepared, reference, orbax_g
     r = run_cli("local", str(path), env=_via(proxy))
     assert r.returncode == 0, r.stderr
     assert plan.hits >= 3, plan.seen
-    from jobspec.run_store import ArtifactStore
+    from runfolder.store import ArtifactStore
 
     store = ArtifactStore(f"{orbax_gs_run_uri}/g1")
     assert _losses(store.read_jsonl("metrics/train.jsonl")) == reference
@@ -178,7 +178,7 @@ def test_gcs_503s_that_outlast_the_retries(tmp_path, prepared, orbax_gs_run_uri,
         f"error: cannot write {orbax_gs_run_uri}/g2/metrics/train.jsonl: HTTP 503"
     ), last
     assert "restartable" in last
-    from jobspec.run_store import ArtifactStore
+    from runfolder.store import ArtifactStore
 
     store = ArtifactStore(f"{orbax_gs_run_uri}/g2")
     failure = _failure(store.read_jsonl("events.jsonl"))

@@ -132,7 +132,7 @@ def _config(tmp_path: Path, prepared: str, uri: str) -> Path:
 
 def _records_written(uri: str) -> None:
     """The run's failure record, manifest and released claim, written before it left."""
-    from jobspec.run_store import ArtifactStore
+    from runfolder.store import ArtifactStore
 
     store = ArtifactStore(f"{uri}/up")
     failures = [e for e in store.read_jsonl("events.jsonl") if e["event"] == "failure"]

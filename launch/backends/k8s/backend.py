@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from jobspec.errors import ConfigError
 from jobspec.run_config import check_dns_label
-from jobspec.run_dir import LOGS, MANIFEST, parse_host_log
 from launch.backend import Handle, RenderedFile, Submission, tail_lines
 from launch.backends.k8s.render import (
     COMPLETION_INDEX_KEY,
@@ -29,6 +28,7 @@ from launch.backends.k8s.render import (
     to_yaml,
 )
 from launch.state import utc_now
+from runfolder.layout import LOGS, MANIFEST, parse_host_log
 
 if TYPE_CHECKING:
     from kubernetes import client as k8s_client
@@ -345,8 +345,8 @@ def status_without_jobset(d: dict[str, Any], replaced: bool = False) -> dict[str
     """This submission's JobSet is gone (cancelled, past its TTL, or `replaced` by a later
     submission's of the same name): the run's manifest says how it ended, if this submission
     wrote it. `ended`: no later look will say more."""
-    from jobspec.storage import join, url_to_fs
-    from launch.progress import ManifestError, earlier_submission, read_manifest
+    from runfolder.storage import join, url_to_fs
+    from runfolder.view import ManifestError, earlier_submission, read_manifest
 
     name = f"JobSet {d['namespace']}/{d['jobset']}"
     gone = (
@@ -381,8 +381,8 @@ def saved_logs(
 ) -> Iterator[str]:
     """Lines of the latest attempt's host logs that every runtime host tees to
     `<output_uri>/<run_id>/logs/attempt-<n>/host-<i>.log`."""
-    from jobspec.storage import PARTS_SUFFIX, join, read_parted, url_to_fs
     from launch.backends.k8s.client import K8sError
+    from runfolder.storage import PARTS_SUFFIX, join, read_parted, url_to_fs
 
     root = join(output_uri, run_id, LOGS)
     fs, path = url_to_fs(root)

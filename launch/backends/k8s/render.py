@@ -3,7 +3,7 @@
 Built as plain dicts and serialised once (STYLE.md, "Manifests as data"). Nothing here imports
 jax or kubernetes, so a job spec renders anywhere.
 
-How a pod learns the env contract (DESIGN.md, "The seam"): one replicated job `slice` with one
+How a pod learns the env contract (docs/jobs-and-backends.md, "Multi-host"): one replicated job `slice` with one
 Indexed Job per slice, so JobSet's `job-global-index` is the slice index and the Job's
 JOB_COMPLETION_INDEX is the host within it; a one-line `sh -c` wrapper computes
 JAXJOB_PROCESS_ID = slice index x hosts per slice + completion index and execs the runtime.
@@ -20,7 +20,7 @@ import yaml
 from jobspec.errors import ConfigError
 from jobspec.exit_codes import RESTARTABLE_EXIT_CODES, SIGNAL_EXIT_CODES
 from jobspec.job_spec import JobSpec, SecretRef
-from jobspec.storage import is_remote
+from jobspec.run_config import is_remote
 from launch.backend import Submission
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -45,8 +45,8 @@ SHM_DIR = "/dev/shm"
 # The same table as is_restartable (tests/test_k8s_render.py checks every code).
 RESTART_EXIT_CODES = sorted(set(RESTARTABLE_EXIT_CODES) | set(SIGNAL_EXIT_CODES))
 
-# What JobSet and the Job controller put on every pod, as labels and as annotations (FACTS.md,
-# "JobSet and JAX on Kubernetes"); the ones used here:
+# What JobSet and the Job controller put on every pod, as labels and as annotations; the ones
+# used here:
 JOBSET_NAME_KEY = "jobset.sigs.k8s.io/jobset-name"
 JOBSET_UID_KEY = "jobset.sigs.k8s.io/jobset-uid"
 JOB_GLOBAL_INDEX_KEY = "jobset.sigs.k8s.io/job-global-index"

@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.exit_codes import EXIT_HOST_LOST, is_restartable
-from jobspec.run_dir import EVENTS, Event, EventKind
 from launch.backend import TERMINAL
 from launch.backends.local.procs import is_stopped, start_time
 from launch.state import read_json, utc_now, write_json_atomic
+from runfolder.layout import EVENTS, Event, EventKind
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "supervisor.json"
@@ -424,8 +424,8 @@ class Supervisor:
         if not output_uri:
             return
         try:
-            from jobspec.run_store import ArtifactStore
-            from jobspec.storage import RetryPolicy, join
+            from runfolder.storage import RetryPolicy, join
+            from runfolder.store import ArtifactStore
 
             if "://" not in output_uri:  # a relative path is the hosts', from their cwd
                 output_uri = os.path.join(self.plan["cwd"], output_uri)

@@ -6,12 +6,12 @@ The script is `SCRIPT_TEMPLATE` filled by `string.Template` with `@` as its deli
 * `#SBATCH` directives: one task per host (`--nodes`, `--ntasks-per-node`), GPUs by `--gres`,
   `--signal=TERM@<grace>` and `--requeue` when restarts are allowed;
 * the job spec's setup lines, verbatim (they are shell code by intent);
-* the env contract (DESIGN.md, "The seam"); every host runs `runtime worker cfg.toml` under srun;
+* the env contract (docs/jobs-and-backends.md, "Multi-host"); every host runs `runtime worker cfg.toml` under srun;
 * the verdict: each host's own exit code decides between success, a requeue and failure.
 
 Why the signal goes to the steps (`TERM@`) and not to the batch shell (`B:TERM@`): the hosts
 must checkpoint before the time limit, and only the runtime does that; SIGTERM to the batch shell
-would leave the hosts unaware (FACTS.md). The batch shell is never signalled, so it lives on to
+would leave the hosts unaware. The batch shell is never signalled, so it lives on to
 requeue the job once the hosts have exited 42.
 
 Why each host records its exit code in `exit/attempt-<A>/host-<N>`: srun returns only the highest

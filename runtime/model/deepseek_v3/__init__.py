@@ -1,5 +1,5 @@
 """The "deepseek_v3" family (DeepSeek-V3's decoder): `decoder.py` its modules (over `mla.py`, the
-latent attention and its RoPE, and `moe.py`, the routing over runtime/model/moe.py's experts),
+latent attention and its RoPE, and `moe.py`, the routing over runtime/model/moe/layer.py's experts),
 `hf_names.py` its HF name map, `counts.py` its parameter counts and FLOPs; `SPECS` is what the
 runtime reads of it. Its contract is jobspec/families/deepseek_v3.py."""
 

@@ -49,7 +49,7 @@ from runtime.model.layers import (
     build_stacked,
     dtype_of,
 )
-from runtime.model.moe import MoEStats
+from runtime.model.moe.layer import MoEStats
 from runtime.model.qwen3.decoder import MLP
 from runtime.model.sharding import constrain
 

@@ -17,8 +17,8 @@ default). RoPE turns the last `qk_rope_head_dim` dims; with `rope_interleave` th
 `_compute_yarn_parameters`, and multiplies the softmax scale (nope + rope)^-0.5 by
 mscale(factor, mscale_all_dim)^2.
 
-Training runs the expanded K/V through `runtime.model.attention.attend` (every kernel); value
-heads narrower than the query/key heads are zero-padded to their width for the kernel (exact:
+Training runs the expanded K/V through `runtime.model.attention.kernels.attend` (every kernel);
+value heads narrower than the query/key heads are zero-padded to their width for the kernel (exact:
 the padded columns are sliced off). Decoding caches only the normed latent [B, S, kv_lora_rank]
 and the rotated shared key [B, S, rope] per layer and attends in the latent space (kv_b_proj
 absorbed into the query and the output), so the cache is (kv_lora_rank + rope) values per token.
@@ -37,7 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jobspec.families.deepseek_v3 import DeepseekV3Config, DeepseekV3ModelConfig
 from jobspec.families.model_config import ModelConfig
-from runtime.model import attention
+from runtime.model.attention import kernels as attention
 from runtime.model.layers import (
     ACT_EMBED,
     ACT_HEADS,

@@ -11,8 +11,9 @@ Per token x [hidden], with E experts in `n_group` groups:
     y       = sum_k w_k * expert_k(x) + shared_experts(x)
 
 The routed experts, their stacked kernels, the dense/sparse dispatch (expert parallelism) and the
-`router_bias` that `router_bias_update_rate` steps are runtime/model/moe.py's `SparseMoE`'s; only
-the routing and the shared experts are this family's. Paths below `mlp`: `gate.kernel`,
+`router_bias` that `router_bias_update_rate` steps are runtime/model/moe/layer.py's
+`SparseMoE`'s; only the routing and the shared experts are this family's. Paths below `mlp`:
+`gate.kernel`,
 `experts.{gate,up,down}_proj`, `router_bias` (not a Param), `shared_experts.{gate,up,down}_proj`.
 """
 
@@ -23,17 +24,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jobspec.families.model_config import ModelConfig
-from runtime.model import moe_dispatch
 from runtime.model.deepseek_v3.mla import settings
 from runtime.model.layers import ACT_EMBED, ACT_EXPERT
-from runtime.model.moe import MoEStats, SparseMoE, assignment_load, run_experts
+from runtime.model.moe import dispatch as moe_dispatch
+from runtime.model.moe.layer import MoEStats, SparseMoE, assignment_load, run_experts
 from runtime.model.qwen3.decoder import MLP
 from runtime.model.sharding import constrain
 
 
 def _best(scores: jax.Array, k: int) -> jax.Array:
     """One-hot rows [..., k, N] of the k highest scores, by k rounds of argmax (ties to the lower
-    index; the SPMD partitioner splits an argmax over the batch, as runtime/model/moe.py notes)."""
+    index; the SPMD partitioner splits an argmax over the batch, as runtime/model/moe/layer.py
+    notes)."""
     n = scores.shape[-1]
     rows = []
     for _ in range(k):

@@ -53,7 +53,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jobspec.families.gemma4_text import Gemma4Config, Gemma4TextModelConfig, gemma4_kv_sources
 from jobspec.families.model_config import ModelConfig
-from runtime.model import attention, moe_dispatch
+from runtime.model.attention import kernels as attention
 from runtime.model.decoder import DecoderBase
 from runtime.model.layers import (
     ACT_EMBED,
@@ -68,7 +68,14 @@ from runtime.model.layers import (
     normal_param,
     rope_tables,
 )
-from runtime.model.moe import MoEStats, _top_k_onehot, assignment_load, run_experts, stack_stats
+from runtime.model.moe import dispatch as moe_dispatch
+from runtime.model.moe.layer import (
+    MoEStats,
+    _top_k_onehot,
+    assignment_load,
+    run_experts,
+    stack_stats,
+)
 from runtime.model.sharding import constrain
 
 #: The per-layer inputs [batch, length, layer, per-layer width].

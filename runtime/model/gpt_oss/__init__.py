@@ -1,5 +1,5 @@
 """The "gpt_oss" family (OpenAI's gpt-oss): `decoder.py` its modules (attention sinks, sliding
-and full layers, the biased router and clamped-SwiGLU experts over runtime/model/moe.py),
+and full layers, the biased router and clamped-SwiGLU experts over runtime/model/moe/layer.py),
 `hf_names.py` its HF name map, `counts.py` its parameter counts and FLOPs; `SPECS` is what the
 runtime reads of it. Its contract is jobspec/families/gpt_oss.py."""
 

@@ -11,17 +11,18 @@ default):
   same fp32 steps, cos and sin times its attention factor), scale head_dim^-0.5, and a learned
   **sink** per head (`sinks` [H]): a logit in the softmax denominator that no value goes with,
   so a head may attend to nothing. Sliding layers see the `sliding_window` - 1 keys before each
-  query; full layers are causal. Kernels (runtime/model/attention.py): on TPU splash for every
-  layer (its `LocalMask` on sliding layers, `CausalMask` on full ones, the sinks its own
+  query; full layers are causal. Kernels (runtime/model/attention/kernels.py): on TPU splash for
+  every layer (its `LocalMask` on sliding layers, `CausalMask` on full ones, the sinks its own
   argument), the einsum reference elsewhere; cudnn has no sinks and is refused by the config.
 - **MoE** (every layer): the router `router.kernel` [D, E] plus a learned bias `router.bias`
   [E]; each token's top-k experts by those logits, weighted by the softmax over the k chosen
   logits (top-k renormalised by construction). Experts keep HF's fused layout: `gate_up_proj`
   [E, D, 2I] with gate and up INTERLEAVED along the last axis (column 2j is gate j, 2j + 1 up
   j), `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, D], `down_proj_bias` [E, D]; the
-  activation is the clamped SwiGLU (runtime/model/moe.py `clamped_swiglu`: gate clamped above
-  at `swiglu_limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(`swiglu_alpha` * gate)).
-  Dense or sparse dispatch as `model.moe_dispatch` says (runtime/model/moe_dispatch.py, with
+  activation is the clamped SwiGLU (runtime/model/moe/layer.py `clamped_swiglu`: gate clamped
+  above at `swiglu_limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(`swiglu_alpha` *
+  gate)).
+  Dense or sparse dispatch as `model.moe_dispatch` says (runtime/model/moe/dispatch.py, with
   the biases and the clamped activation as its options), experts over `mesh.expert`.
 
 With `model.scan_layers` the layers scan in periods of their kinds (sliding, full:
@@ -44,7 +45,7 @@ from flax import nnx
 
 from jobspec.families.gpt_oss import GptOssConfig, GptOssModelConfig, YarnRopeScaling
 from jobspec.families.model_config import ModelConfig
-from runtime.model import attention, moe_dispatch
+from runtime.model.attention import kernels as attention
 from runtime.model.decoder import DecoderBase, build_periods
 from runtime.model.layers import (
     ACT_EMBED,
@@ -59,7 +60,8 @@ from runtime.model.layers import (
     dtype_of,
     normal_param,
 )
-from runtime.model.moe import (
+from runtime.model.moe import dispatch as moe_dispatch
+from runtime.model.moe.layer import (
     MoEStats,
     _top_k_onehot,
     assignment_load,

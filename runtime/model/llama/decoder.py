@@ -24,7 +24,7 @@ from flax import nnx
 
 from jobspec.families.llama import DecoderOptions, Llama3RopeScaling
 from jobspec.families.model_config import ModelConfig
-from runtime.model import attention
+from runtime.model.attention import kernels as attention
 from runtime.model.layers import ACT_ROPE, Dense, apply_rope, dtype_of
 from runtime.model.qwen3.decoder import MLP, Attention, Qwen3Decoder
 from runtime.model.sharding import constrain

@@ -33,11 +33,11 @@ of the batch on every chip and gathers weights (FSDP) instead of activations.
 
 The layer MLP and attention are per-family choices (`Qwen3Decoder(..., mlp_factory=...,
 attention_factory=...)`): dense SwiGLU `MLP` and q/k-normed `Attention` here;
-`runtime/model/qwen3_moe/` passes `runtime.model.moe.SparseMoE` (paths documented there), whose
-per-layer expert loads `Qwen3Decoder.forward_with_loads` also returns, and `runtime/model/qwen2/` its
-biased attention. Model code never tests the family string; `runtime/model/registry.py` maps
-family names to builders. The logits, the expert-load forward and the remat'd layer loop are
-`runtime/model/decoder.py`'s.
+`runtime/model/qwen3_moe/` passes `runtime.model.moe.layer.SparseMoE` (paths documented there),
+whose per-layer expert loads `Qwen3Decoder.forward_with_loads` also returns, and
+`runtime/model/qwen2/` its biased attention. Model code never tests the family string;
+`runtime/model/registry.py` maps family names to builders. The logits, the expert-load forward
+and the remat'd layer loop are `runtime/model/decoder.py`'s.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jobspec.families.model_config import ModelConfig
-from runtime.model import attention
+from runtime.model.attention import kernels as attention
 from runtime.model.decoder import DecoderBase, cache_mask, layer_forward
 from runtime.model.layers import (
     ACT_EMBED,
@@ -68,7 +68,7 @@ from runtime.model.layers import (
     dtype_of,
     rope_tables,
 )
-from runtime.model.moe import MoEStats
+from runtime.model.moe.layer import MoEStats
 from runtime.model.sharding import constrain
 
 #: `checkpoint_name`s on the attention activations, for a name-based remat policy
@@ -307,9 +307,9 @@ class Qwen3Decoder(DecoderBase):
         segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, MoEStats | None]:
         """The final-normed hidden states [B, T, D] (compute dtype, pinned to batch sharding)
-        and the MoE layers' stats stacked over layers (`runtime.model.moe.MoEStats`: load [L, E],
-        dropped [L]; None for a dense MLP); the loss applies `head_kernel` to the states chunk by
-        chunk instead of materialising all logits."""
+        and the MoE layers' stats stacked over layers (`runtime.model.moe.layer.MoEStats`: load
+        [L, E], dropped [L]; None for a dense MLP); the loss applies `head_kernel` to the states
+        chunk by chunk instead of materialising all logits."""
         cos, sin = self._rope(positions)
         x = constrain(self.embed_tokens(inputs), ACT_EMBED)
         if self.cfg.scan_layers:

@@ -20,7 +20,8 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Model FLOPs of the k active experts per token (the MFU convention), although the dense
-    dispatch in runtime/model/moe.py computes all E experts: MFU understates the hardware's work."""
+    dispatch in runtime/model/moe/layer.py computes all E experts: MFU understates the hardware's
+    work."""
     return decoder_flops_per_token(cfg, param_count(cfg), seq_len)
 
 

@@ -1,7 +1,8 @@
 """The "qwen3_moe" family's decoder: the Qwen3 decoder with a sparse MoE MLP.
 
-Each layer's MLP is `runtime.model.moe.SparseMoE` (router `mlp.gate` + E stacked SwiGLU experts;
-paths and math documented there); everything else is `runtime.model.qwen3.decoder.Qwen3Decoder`.
+Each layer's MLP is `runtime.model.moe.layer.SparseMoE` (router `mlp.gate` + E stacked SwiGLU
+experts; paths and math documented there); everything else is
+`runtime.model.qwen3.decoder.Qwen3Decoder`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from flax import nnx
 
 from jobspec.families.model_config import ModelConfig
-from runtime.model.moe import SparseMoE
+from runtime.model.moe.layer import SparseMoE
 from runtime.model.qwen3.decoder import Qwen3Decoder
 
 

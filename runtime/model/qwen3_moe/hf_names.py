@@ -1,7 +1,7 @@
 """The qwen3_moe family's HF name map (`Qwen3MoeForCausalLM`): Qwen3's, with the router
 `mlp.gate` and per-expert SwiGLU projections as the MLP.
 
-The router bias (runtime/model/moe.py `router_bias`) is not a parameter and has no HF tensor.
+The router bias (runtime/model/moe/layer.py `router_bias`) is not a parameter and has no HF tensor.
 """
 
 from __future__ import annotations

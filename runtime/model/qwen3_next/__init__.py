@@ -1,5 +1,5 @@
 """The "qwen3_next" family (Qwen3-Next's hybrid decoder): `decoder.py` its modules (over
-runtime/model/deltanet.py and moe.py), `hf_names.py` its HF name map, `counts.py` its parameter
+runtime/model/deltanet.py and moe/), `hf_names.py` its HF name map, `counts.py` its parameter
 counts and FLOPs; `SPECS` is what the runtime reads of it. Its contract is
 jobspec/families/qwen3_next.py."""
 

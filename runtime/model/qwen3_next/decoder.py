@@ -18,7 +18,7 @@ default every `full_attention_interval`-th layer full):
   each); zero-centred q/k norms, RoPE on the first `partial_rotary_factor * head_dim` dims only,
   GQA with scale head_dim^-0.5, output times sigmoid(gate), then `o_proj`.
 
-The MLP is the MoE with a shared expert (runtime/model/moe.py's router, top-k, norm_topk_prob,
+The MLP is the MoE with a shared expert (runtime/model/moe/layer.py's router, top-k, norm_topk_prob,
 stacked experts and aux-loss-free router bias, plus a SwiGLU `shared_expert` scaled by
 sigmoid(`shared_expert_gate`)) on layers that are MoE by HF's rule (experts set, not in
 `mlp_only_layers`, (i + 1) % `decoder_sparse_step` == 0), else the dense SwiGLU of width
@@ -51,7 +51,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jobspec.families.model_config import ModelConfig
 from jobspec.families.qwen3_next import Qwen3NextConfig, Qwen3NextModelConfig
-from runtime.model import attention, context_parallel
+from runtime.model.attention import context_parallel
+from runtime.model.attention import kernels as attention
 from runtime.model.decoder import DecoderBase, build_periods, cache_mask
 from runtime.model.deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from runtime.model.layers import (
@@ -67,7 +68,7 @@ from runtime.model.layers import (
     normal_param,
     rope_tables,
 )
-from runtime.model.moe import MoEStats, SparseMoE
+from runtime.model.moe.layer import MoEStats, SparseMoE
 from runtime.model.qwen3.decoder import MLP
 from runtime.model.sharding import constrain
 

@@ -19,11 +19,9 @@ from __future__ import annotations
 from functools import partial
 
 from jobspec.families.model_config import ModelConfig
-from runtime.hf.names import Entry, ends, in_layer, in_periods
-from runtime.model.decoder import period_of
-from runtime.model.qwen3.hf_names import attention_names, layer_norm_names, mlp_names
+from runtime.hf.names import Entry, in_layer
 from runtime.model.qwen3_5.decoder import layer_kinds
-from runtime.model.qwen3_next.hf_names import shared_moe_names
+from runtime.model.qwen3_next.hf_names import hybrid_names
 
 HF_IGNORED_PREFIXES: tuple[str, ...] = ("mtp.",)
 
@@ -43,11 +41,4 @@ def deltanet_names(cfg: ModelConfig, i: int) -> list[Entry]:
 
 
 def hf_names(cfg: ModelConfig) -> list[Entry]:
-    kinds = layer_kinds(cfg)
-    unrolled = cfg.model_copy(update={"scan_layers": False})
-    out = []
-    for i, kind in enumerate(kinds):
-        out += deltanet_names(unrolled, i) if kind.linear else attention_names(unrolled, i)
-        out += layer_norm_names(unrolled, i)
-        out += shared_moe_names(unrolled, i) if kind.moe else mlp_names(unrolled, i)
-    return ends(cfg) + (in_periods(out, period_of(kinds)) if cfg.scan_layers else out)
+    return hybrid_names(cfg, layer_kinds(cfg), deltanet_names)

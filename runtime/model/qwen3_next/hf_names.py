@@ -14,6 +14,7 @@ slice i // P (`in_periods`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 from jobspec.families.model_config import ModelConfig
@@ -21,7 +22,7 @@ from runtime.hf.names import Entry, ends, in_layer, in_periods
 from runtime.model.decoder import period_of
 from runtime.model.qwen3.hf_names import attention_names, layer_norm_names, mlp_names
 from runtime.model.qwen3_moe.hf_names import moe_names
-from runtime.model.qwen3_next.decoder import layer_kinds
+from runtime.model.qwen3_next.decoder import LayerKind, layer_kinds
 
 HF_IGNORED_PREFIXES: tuple[str, ...] = ("mtp.",)
 
@@ -52,12 +53,20 @@ def shared_moe_names(cfg: ModelConfig, i: int) -> list[Entry]:
     return out
 
 
-def hf_names(cfg: ModelConfig) -> list[Entry]:
-    kinds = layer_kinds(cfg)
+def hybrid_names(
+    cfg: ModelConfig, kinds: list[LayerKind], deltanet: Callable[[ModelConfig, int], list[Entry]]
+) -> list[Entry]:
+    """The map of a hybrid decoder of these layer kinds, `deltanet` naming a DeltaNet mixer's
+    tensors (the one thing Qwen3.5's map does differently); layers scanned in periods when
+    `model.scan_layers`."""
     unrolled = cfg.model_copy(update={"scan_layers": False})
     out = []
     for i, kind in enumerate(kinds):
-        out += deltanet_names(unrolled, i) if kind.linear else attention_names(unrolled, i)
+        out += deltanet(unrolled, i) if kind.linear else attention_names(unrolled, i)
         out += layer_norm_names(unrolled, i)
         out += shared_moe_names(unrolled, i) if kind.moe else mlp_names(unrolled, i)
     return ends(cfg) + (in_periods(out, period_of(kinds)) if cfg.scan_layers else out)
+
+
+def hf_names(cfg: ModelConfig) -> list[Entry]:
+    return hybrid_names(cfg, layer_kinds(cfg), deltanet_names)

@@ -31,6 +31,9 @@ SIGNAL_EXIT_CODES = tuple(range(129, 160))
 # A command stopped by Ctrl-C (128 + SIGINT, as a shell reports it); a host stopped by SIGINT
 # checkpoints and exits EXIT_RESTARTABLE instead.
 EXIT_INTERRUPTED = 130
+# `launch wait`, `launch submit --wait --timeout D`: the run had not ended within D (it goes on);
+# 124 as coreutils `timeout` ends.
+EXIT_TIMED_OUT = 124
 
 
 def is_restartable(rc: int) -> bool:

@@ -51,6 +51,8 @@ class Submission:
     spec_yaml: str  # the validated job spec, re-serialised (jobspec.job_spec.spec_yaml)
     output_uri: str  # run.output_uri (the run's artifacts are under <output_uri>/<run_id>)
     workdir: Path  # where the job.yaml lives (relative paths resolve here)
+    # `launch --set/--env` given: {"set": {key: TOML value}, "env": {NAME: value}}
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

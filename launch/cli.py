@@ -20,27 +20,41 @@ import click
 from jobspec.cli import run_group
 from jobspec.errors import ConfigError, JaxjobError
 from jobspec.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
-from jobspec.files.job_yaml import job_schema, load_job
+from jobspec.files.job_yaml import job_schema
 from jobspec.job_spec import JobSpec, check_mesh_fits
 from jobspec.run_config import is_remote
+from jobspec.version import version_option
+from launch import logs_options
 from launch.backend import TERMINAL, AlreadyRunningError, Backend, Submission
 from launch.backends import BACKENDS, backend_options, get_backend
+from launch.completion import add_completion_command
+from launch.overrides import describe as describe_overrides
+from launch.overrides import override_options, refuse_incompatible_resubmit
 from launch.registry import Registry, RunRecord
 from launch.runid import new_run_id
 from launch.state import utc_now
+from launch.watch import Deadline, parse_duration
 from runfolder.goodput import duration
 from runfolder.outcome import closing_line
 
 
-def prepare_submission(job_path: str, backend: str, registry: Registry) -> Submission:
-    """Load and check everything, in the order a user's mistakes are most likely found."""
+def prepare_submission(
+    job_path: str,
+    backend: str,
+    registry: Registry,
+    sets: tuple[str, ...] = (),
+    envs: tuple[str, ...] = (),
+) -> Submission:
+    """Load and check everything, in the order a user's mistakes are most likely found
+    (`sets`, `envs`: `--set`/`--env`, launch/overrides.py)."""
+    from launch.overrides import load_overridden
 
     def fresh_id(spec: JobSpec) -> str:  # a fresh id never reuses a run
         while registry.exists(run_id := new_run_id(spec.name)):
             pass
         return run_id
 
-    job = load_job(job_path, fresh_id)
+    job, overrides = load_overridden(job_path, fresh_id, sets, envs)
     spec, run, run_id, run_toml = job.spec, job.run, job.run_id, job.run_toml
     try:
         section = spec.backend_section(backend)
@@ -63,6 +77,7 @@ def prepare_submission(job_path: str, backend: str, registry: Registry) -> Submi
         spec_yaml=job.spec_yaml,
         output_uri=output_uri,
         workdir=job.path.resolve().parent,
+        overrides=overrides,
     )
 
 
@@ -134,6 +149,7 @@ def _status(rec: RunRecord, st: dict[str, Any] | None = None) -> dict[str, Any]:
         "run_uri": rec.run_uri,
         "submitted": rec.submitted,
         "job_path": rec.job_path,
+        "overrides": rec.overrides,  # launch submit --set/--env
     }
 
 
@@ -149,14 +165,18 @@ def _wait(
     stream: bool,
     all_hosts: bool = False,
     hosts: int | None = None,
+    deadline: Deadline | None = None,
 ) -> dict[str, Any]:
     """Stream the run's output (quiet view unless `all_hosts`; `hosts`: how many the job has)
-    and return the backend's status once the run has ended."""
+    and return the backend's status once the run has ended (TimedOut, exit 124: not by
+    `deadline`)."""
     from launch.quiet import QuietStream, follow_quiet
+    from launch.watch import until
 
     handle = rec.to_handle()
     if stream:
         lines = backend.logs(handle, host=None, follow=True, tail=None, since_submission=True)
+        lines = until(lines, deadline)
         if all_hosts:
             for line in lines:
                 click.echo(line)
@@ -172,7 +192,9 @@ def _wait(
                 f"run {rec.run_id} is queued but {st['hint']}; it stays queued "
                 f"(launch cancel {rec.run_id} removes it)"
             )
-        time.sleep(1.0)
+        if deadline is not None and deadline.passed():
+            raise deadline.timed_out(rec.run_id, st)
+        time.sleep(1.0 if deadline is None else min(1.0, deadline.left()))
     return st
 
 
@@ -221,6 +243,7 @@ def _submit(
             submitted=submitted,
             job_path=str(Path(job).resolve()),
             backend_options=options,
+            overrides=sub.overrides,
         )
         registry.record(rec)
     return rec
@@ -241,6 +264,7 @@ JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Machine-read
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("launch")
 def cli() -> None:
     """jaxjob launch: run a job spec (job.yaml) on this machine, SLURM or Kubernetes."""
 
@@ -262,7 +286,15 @@ def cli() -> None:
     is_flag=True,
     help="With --wait: every line of every host, each prefixed [host N].",
 )
+@click.option(
+    "--timeout",
+    metavar="D",
+    default=None,
+    help="With --wait: stop waiting after D (30s, 10m, 2h, 1h30m) and exit 124; the run goes "
+    "on (launch wait RUN, launch cancel RUN).",
+)
 @JSON_OPTION
+@override_options
 def submit_cmd(
     job: str,
     backend: str,
@@ -270,15 +302,24 @@ def submit_cmd(
     namespace: str | None,
     wait: bool,
     all_hosts: bool,
+    timeout: str | None,
     as_json: bool,
+    sets: tuple[str, ...],
+    envs: tuple[str, ...],
 ) -> None:
     """Check JOB (a job.yaml) and submit it; prints the run id and how to follow it."""
     if all_hosts and not wait:
         raise JaxjobError("--all-hosts applies only with --wait (launch logs RUN --all-hosts)")
+    if timeout is not None and not wait:
+        raise JaxjobError(
+            "--timeout applies only with --wait (launch submit JOB --wait --timeout D)"
+        )
+    deadline = Deadline.parse(timeout)  # a bad duration is said before anything is submitted
     options = backend_options(backend, {"context": context, "namespace": namespace})
     impl = get_backend(backend, options)  # a bad option is said before the job spec is read
     registry = Registry()
-    sub = prepare_submission(job, backend, registry)
+    sub = prepare_submission(job, backend, registry, sets, envs)
+    refuse_incompatible_resubmit(registry, job, sub, sets)
     run_dir = registry.run_dir(sub.run_id)
     rec = _submit(impl, sub, registry, options, job)
     if not wait:
@@ -296,7 +337,9 @@ def submit_cmd(
         click.echo(f"submitted {rec.run_id} to the {backend} backend; waiting for it", err=True)
     hosts = sub.spec.host_processes(backend)
     try:
-        st = _wait(impl, rec, stream=not as_json, all_hosts=all_hosts, hosts=hosts)
+        st = _wait(
+            impl, rec, stream=not as_json, all_hosts=all_hosts, hosts=hosts, deadline=deadline
+        )
     except KeyboardInterrupt:
         click.echo(
             f"stopped waiting; {rec.run_id} goes on (launch cancel {rec.run_id} stops it)", err=True
@@ -322,13 +365,20 @@ def submit_cmd(
     default=None,
     help="Write the files into this directory (default: print them).",
 )
+@override_options
 def render_cmd(
-    job: str, backend: str, context: str | None, namespace: str | None, out: str | None
+    job: str,
+    backend: str,
+    context: str | None,
+    namespace: str | None,
+    out: str | None,
+    sets: tuple[str, ...],
+    envs: tuple[str, ...],
 ) -> None:
     """Show exactly what `submit` would send for JOB; nothing is submitted."""
     options = backend_options(backend, {"context": context, "namespace": namespace})
     impl = get_backend(backend, options)  # a bad option is said before the job spec is read
-    files = impl.render(prepare_submission(job, backend, Registry()))
+    files = impl.render(prepare_submission(job, backend, Registry(), sets, envs))
     if out is None:
         for f in files:
             if len(files) > 1:
@@ -345,32 +395,73 @@ def render_cmd(
 @cli.command("status")
 @click.argument("run")
 @JSON_OPTION
-def status_cmd(run: str, as_json: bool) -> None:
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Keep showing the status until the run ends (redrawn in place on a terminal; piped, "
+    "each changed line once, with its UTC time); exit 0 if it succeeded, 1 if not.",
+)
+@click.option(
+    "--interval",
+    metavar="D",
+    default=None,
+    help="With --watch: how often to ask (2s, 1m, ...; default 5s).",
+)
+def status_cmd(run: str, as_json: bool, watch: bool, interval: str | None) -> None:
     """The backend's state of RUN and its progress (step, loss, evals, last event) from its
     artifacts."""
+    from launch.watch import watch as watch_lines
+
+    if interval is not None and not watch:
+        raise JaxjobError("--interval applies only with --watch (launch status RUN --watch)")
+    if watch and as_json:
+        raise JaxjobError("--watch shows the status as text; --json is one snapshot, without it")
+    every = parse_duration(interval, "--interval") if interval is not None else 5.0
+    rec = Registry().lookup(run)
+    if not watch:
+        info = _status(rec)
+        if as_json:
+            _print_json(info)
+            return
+        for line in _status_lines(info):
+            click.echo(line)
+        return
+    last: dict[str, Any] = {}
+
+    def poll() -> tuple[list[str], bool]:
+        last.update(_status(rec))
+        st = last["backend_status"]
+        return _status_lines(last), _ended(st) or bool(st.get("never_starts"))
+
+    watch_lines(poll, interval=every)
+    if last["backend_status"].get("never_starts"):  # watching would never end
+        raise JaxjobError(f"run {rec.run_id} is queued but {last['backend_status']['hint']}")
+    sys.exit(0 if last["state"] == "succeeded" else EXIT_FAILED)
+
+
+def _status_lines(info: dict[str, Any]) -> list[str]:
+    """`launch status`'s text for `_status`'s `info`."""
     from runfolder.view import record_lines
 
-    info = _status(Registry().lookup(run))
-    if as_json:
-        _print_json(info)
-        return
     st = info["backend_status"]
-    click.echo(f"run         {info['run_id']}  ({info['backend']})")
-    click.echo(f"state       {info['state']}  {info['detail']}")
+    out = [f"run         {info['run_id']}  ({info['backend']})"]
+    out.append(f"state       {info['state']}  {info['detail']}")
     attempt = _fmt_attempt(st)
     if attempt:
-        click.echo(f"attempt     {attempt}")
+        out.append(f"attempt     {attempt}")
     if st.get("hint"):
-        click.echo(f"hint        {st['hint']}")
+        out.append(f"hint        {st['hint']}")
     progress = info["progress"]
-    click.echo(f"progress    {_fmt_progress(progress)}")
+    out.append(f"progress    {_fmt_progress(progress)}")
     if progress.get("eta_s") is not None and info["state"] == "running":
-        click.echo(f"eta         {duration(progress['eta_s'])} (at the recent step time)")
-    for line in record_lines(
+        out.append(f"eta         {duration(progress['eta_s'])} (at the recent step time)")
+    out += record_lines(
         progress, ("latest_eval", "best_eval", "goodput", "last_event", "failure"), 12
-    ):
-        click.echo(line)
-    click.echo(f"artifacts   {info['run_uri']}")
+    )
+    if info.get("overrides"):
+        out.append(f"overrides   {describe_overrides(info['overrides'])}")
+    out.append(f"artifacts   {info['run_uri']}")
+    return out
 
 
 @cli.command("logs")
@@ -385,7 +476,35 @@ def status_cmd(run: str, as_json: bool) -> None:
     is_flag=True,
     help="Every line of every host, each prefixed [host N] (default: the quiet view).",
 )
-def logs_cmd(run: str, host: int | None, follow: bool, tail: int | None, all_hosts: bool) -> None:
+@click.option(
+    "--since",
+    metavar="DURATION",
+    default=None,
+    help="Only lines written in the last DURATION (10s, 5m, 2h, 1h30m), as kubectl; the host "
+    "logs record no line times, so this says so and exits 2.",
+)
+@click.option(
+    "--timestamps",
+    is_flag=True,
+    help="Prefix each line with its time (RFC 3339), as kubectl; the host logs record no line "
+    "times, so this says so and exits 2.",
+)
+@click.option(
+    "--attempt",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Attempt N's host logs (from the run folder) instead of every attempt's.",
+)
+def logs_cmd(
+    run: str,
+    host: int | None,
+    follow: bool,
+    tail: int | None,
+    all_hosts: bool,
+    since: str | None,
+    timestamps: bool,
+    attempt: int | None,
+) -> None:
     """The output of RUN (all attempts). By default the quiet view: host 0's lines, each prefixed
     `[host 0] `, and the other hosts' warnings and errors; a line that several hosts said is
     shown once, prefixed with their count (`[64 hosts: 0-63] `). --all-hosts: every host's
@@ -394,8 +513,15 @@ def logs_cmd(run: str, host: int | None, follow: bool, tail: int | None, all_hos
 
     if host is not None and all_hosts:
         raise JaxjobError("--host and --all-hosts exclude each other; use one")
+    if attempt is not None and follow:
+        raise JaxjobError("--attempt and --follow exclude each other; follow the latest attempt")
+    if since is not None:
+        parse_duration(since, "--since")
     registry = Registry()
     rec = registry.lookup(run)
+    for option, given in (("--since", since is not None), ("--timestamps", timestamps)):
+        if given:
+            logs_options.refuse_line_times(rec.run_id, rec.backend, option)
     hosts = _host_count(registry, rec)
     if host is not None and hosts is not None and host >= hosts:
         raise JaxjobError(
@@ -403,8 +529,11 @@ def logs_cmd(run: str, host: int | None, follow: bool, tail: int | None, all_hos
             if hosts > 1
             else f"--host {host}: run {rec.run_id} has one host, host 0"
         )
-    backend = get_backend(rec.backend, rec.backend_options)
-    lines = backend.logs(rec.to_handle(), host=host, follow=follow, tail=tail)
+    if attempt is not None:
+        lines = logs_options.attempt_lines(rec.run_uri, rec.run_id, attempt, host=host, tail=tail)
+    else:
+        backend = get_backend(rec.backend, rec.backend_options)
+        lines = backend.logs(rec.to_handle(), host=host, follow=follow, tail=tail)
     try:
         if host is not None or all_hosts:
             for line in lines:
@@ -455,6 +584,30 @@ def cancel_cmd(run: str, wait: bool) -> None:
     while not _ended(st := backend.status(handle)):
         time.sleep(0.5)
     click.echo(f"{rec.run_id} {st['state']}: {st.get('detail', '')}")
+
+
+@cli.command("wait")
+@click.argument("run")
+@click.option(
+    "--timeout",
+    metavar="D",
+    default=None,
+    help="Stop waiting after D (30s, 10m, 2h, 1h30m) and exit 124; the run goes on.",
+)
+def wait_cmd(run: str, timeout: str | None) -> None:
+    """Wait until RUN's latest submission ends and print how it ended; exit 0 if it succeeded, 1
+    if it failed or was cancelled, 124 if it had not ended within --timeout."""
+    deadline = Deadline.parse(timeout)
+    rec = Registry().lookup(run)
+    backend = get_backend(rec.backend, rec.backend_options)
+    try:
+        st = _wait(backend, rec, stream=False, deadline=deadline)
+    except KeyboardInterrupt:
+        click.echo(f"stopped waiting; {rec.run_id} goes on", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    info = _status(rec, st)
+    click.echo(_closing_line(info))
+    sys.exit(0 if info["state"] == "succeeded" else EXIT_FAILED)
 
 
 @cli.command("list")
@@ -508,7 +661,15 @@ def list_cmd(with_status: bool, as_json: bool) -> None:
     help="With --fit: write the pick as a run config (and the job's run config beside it, "
     "OUT's stem + .run.toml, which it includes).",
 )
-def plan_cmd(job: str, as_json: bool, fit: bool, overlay: str | None) -> None:
+@override_options
+def plan_cmd(
+    job: str,
+    as_json: bool,
+    fit: bool,
+    overlay: str | None,
+    sets: tuple[str, ...],
+    envs: tuple[str, ...],
+) -> None:
     """Compile JOB's train step for its accelerator, hosts and slices (`runtime plan`) and print
     memory per chip, predicted step time, FLOPs and collectives. Exits 0 fits, 1 does not fit,
     2 bad input."""
@@ -516,13 +677,16 @@ def plan_cmd(job: str, as_json: bool, fit: bool, overlay: str | None) -> None:
 
     if overlay and not fit:
         raise JaxjobError("--out goes with --fit (launch plan JOB --fit --out pick.toml)")
-    sys.exit(run_plan(job, as_json, fit, overlay))
+    sys.exit(run_plan(job, as_json, fit, overlay, sets, envs))
 
 
 @cli.command("schema")
 def schema_cmd() -> None:
     """Print the JSON Schema of job.yaml (for editors and validators)."""
     _print_json(job_schema())
+
+
+add_completion_command(cli)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,13 +18,21 @@ from jobspec.files.job_yaml import load_job
 
 
 def plan_command(
-    job_path: str, as_json: bool, fit: bool = False, overlay: str | None = None
+    job_path: str,
+    as_json: bool,
+    fit: bool = False,
+    overlay: str | None = None,
+    sets: tuple[str, ...] = (),
+    envs: tuple[str, ...] = (),
 ) -> tuple[list[str], dict[str, str], str]:
-    """(argv, environment, run-config TOML) of the `runtime plan` run for this job spec."""
-    job = load_job(job_path)
+    """(argv, environment, run-config TOML) of the `runtime plan` run for this job spec, with
+    `launch plan --set/--env` applied (the `--env`s are the planning process's too)."""
+    from launch.overrides import load_overridden
+
+    job, overrides = load_overridden(job_path, None, sets, envs)
     spec = job.spec
     argv = [sys.executable, "-m", "runtime", "plan", "CFG", "--accelerator", spec.accelerator]
-    env = dict(os.environ)
+    env = {**os.environ, **overrides.get("env", {})}
     if spec.catalogue.kind == "cpu":
         # The cpu target is the planning process's own devices: as many as the job would use.
         devices = spec.host_processes("local") * spec.devices_per_host("local")
@@ -41,7 +49,14 @@ def plan_command(
     return argv, env, job.run_toml
 
 
-def run_plan(job_path: str, as_json: bool, fit: bool = False, overlay: str | None = None) -> int:
+def run_plan(
+    job_path: str,
+    as_json: bool,
+    fit: bool = False,
+    overlay: str | None = None,
+    sets: tuple[str, ...] = (),
+    envs: tuple[str, ...] = (),
+) -> int:
     """Run `runtime plan` for the job; its output goes straight to this process's own. A
     prepare job trains nothing: one sentence says so (exit 0). With `--fit --out OUT`, the job's
     run config is written beside OUT (`OUT`'s stem + `.run.toml`) and OUT includes it, so
@@ -53,7 +68,7 @@ def run_plan(job_path: str, as_json: bool, fit: bool = False, overlay: str | Non
         )
         print(json.dumps({"job": job_path, "kind": "prepare", "note": note}) if as_json else note)
         return 0
-    argv, env, run_toml = plan_command(job_path, as_json, fit, overlay)
+    argv, env, run_toml = plan_command(job_path, as_json, fit, overlay, sets, envs)
     if overlay:
         out = Path(overlay)
         cfg = out.with_name(out.stem + ".run.toml")

@@ -46,6 +46,7 @@ class RunRecord:
     submitted: str  # ISO 8601, UTC
     job_path: str
     backend_options: dict[str, Any] = field(default_factory=dict)  # e.g. k8s context, namespace
+    overrides: dict[str, Any] = field(default_factory=dict)  # launch --set/--env
 
     @property
     def run_uri(self) -> str:
@@ -66,13 +67,13 @@ def _why_broken(data: Any, run_id: str) -> str | None:
     if not isinstance(data, dict):
         return f"a record is a JSON object, not {type(data).__name__}"
     fields = RunRecord.__dataclass_fields__
-    missing = [k for k in fields if k not in data and k != "backend_options"]
+    missing = [k for k in fields if k not in data and k not in ("backend_options", "overrides")]
     if missing:
         return f"it lacks {', '.join(missing)}"
     for k in ("run_id", "backend", "output_uri", "submitted", "job_path"):
         if not isinstance(data[k], str):
             return f"{k} is {data[k]!r}, not a string"
-    for k in ("handle", "backend_options"):
+    for k in ("handle", "backend_options", "overrides"):
         if not isinstance(data.get(k, {}), dict):
             return f"{k} is {data[k]!r}, not a mapping"
     if data["run_id"] != run_id:

@@ -233,6 +233,23 @@ def test_logs_prefix_every_line_with_its_host(finished):
     assert none.stderr.splitlines() == [f"error: --host 5: run {run_id} has hosts 0-1"]
 
 
+def test_logs_attempt_reads_the_run_folders_host_logs(finished):
+    """--attempt 0 of the one-attempt run: both hosts' lines from the run folder; an attempt
+    the run never had, and --since/--timestamps (no line times), are one sentence each."""
+    run_id, state = finished["run_id"], finished["state"]
+    r = launch("logs", run_id, "--attempt", "0", "--tail", "2", "--all-hosts", state=state)
+    assert r.returncode == 0, r.stderr
+    tail = r.stdout.splitlines()
+    assert sorted(ln[:8] for ln in tail) == ["[host 0]"] * 2 + ["[host 1]"] * 2
+    assert tail[-1].startswith("[host 1] eval val @ step 12 | loss: ")
+    none = launch("logs", run_id, "--attempt", "3", state=state)
+    assert none.returncode == 2 and none.stderr.splitlines() == [
+        f"error: --attempt 3: run {run_id} has no such attempt; it has attempts 0"
+    ]
+    since = launch("logs", run_id, "--since", "5m", state=state)
+    assert since.returncode == 2 and since.stderr.startswith(f"error: --since: run {run_id}'s")
+
+
 GLOG_0 = "W1206 01:02:03.123456    1234 preemption_notifier.cc:90] SIGTERM caught"
 GLOG_1 = "W1206 01:02:03.987654    4321 preemption_notifier.cc:90] SIGTERM caught"
 

@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from jobspec.errors import ConfigError
+from jobspec.files.overrides import sets_header
 from jobspec.files.run_toml import (
     MAX_RUN_CONFIG_BYTES,
     describe_validation_error,
@@ -164,12 +165,18 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = None) -> LoadedJob:
+def load_job(
+    path: str | Path,
+    new_run_id: Callable[[JobSpec], str] | None = None,
+    overrides: dict | None = None,
+) -> LoadedJob:
     """The job spec at `path` and its run config, validated once with the run id the hosts use:
     the spec's run_id, else `new_run_id(spec)` (a fresh one), else the job's name (to check a
     job without submitting it). A run config need not carry a run.id of its own. Its `include`
     files are merged in here, so `run_toml` is self-contained: hosts never see a relative path.
-    A `prepare:` job has no run config: `prepare` is its hosts' config and `run_toml` that."""
+    A `prepare:` job has no run config: `prepare` is its hosts' config and `run_toml` that.
+    `overrides` (`launch --set`, a nested dict) are merged over the run config last, and
+    `run_toml` opens with a comment that lists them."""
     p = Path(path)
     text_data = _read_yaml(p)
     try:
@@ -177,6 +184,16 @@ def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = Non
     except ValidationError as e:
         raise ConfigError(describe_validation_error(e, JobSpec, str(p))) from None
     run_id = spec.run_id or (new_run_id(spec) if new_run_id is not None else spec.name)
+    if overrides and spec.prepare is not None:
+        raise ConfigError(
+            f"--set: {p} is a prepare job, which has no run config to override (its settings "
+            "are the job spec's prepare: section)"
+        )
+    if overrides and "id" in overrides.get("run", {}):
+        raise ConfigError(
+            "--set run.id: the run id comes from the job spec (run_id: in it, else a fresh one); "
+            "set run_id there instead"
+        )
     if spec.prepare is not None:
         # Relative paths are the job.yaml's, like a run config's path; the hosts get them whole.
         section = spec.prepare.resolved(p.parent)
@@ -194,11 +211,15 @@ def load_job(path: str | Path, new_run_id: Callable[[JobSpec], str] | None = Non
         raw, _ = resolve_includes(dict(spec.run), p.parent, source)  # relative to the job spec
     if spec.output_uri is not None:
         raw = merge(raw, {"run": {"output_uri": spec.output_uri}})
+    if overrides:
+        raw = merge(raw, overrides)
+        source = f"{source} with --set"
     raw = merge(raw, {"run": {"id": run_id}})
     for where, what in find_secrets(raw):  # cfg.toml goes verbatim to every backend's hosts
         raise ConfigError(f"{source}: {refusal(where, what)}")
     run = parse_run_config(raw, source)
-    return LoadedJob(spec, run, _hosts_toml(raw, source), spec_yaml(spec), p, run_id)
+    toml = sets_header(overrides or {}) + _hosts_toml(raw, source)
+    return LoadedJob(spec, run, toml, spec_yaml(spec), p, run_id)
 
 
 def _hosts_toml(raw: dict, source: str) -> str:

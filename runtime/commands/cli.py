@@ -13,6 +13,7 @@ import sys
 import click
 
 from jobspec.cli import run_group
+from jobspec.version import version_option
 from runtime.commands.checkpoint_commands import (
     checkpoints_group,
     eval_group,
@@ -26,6 +27,7 @@ from runtime.commands.run import inspect_cmd, local_cmd, plot_cmd, worker_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("runtime")
 def cli() -> None:
     """jaxjob runtime: the program every host of a job runs."""
 

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from jobspec.errors import ConfigError
-
 if TYPE_CHECKING:
     from jobspec.run_config import RunConfig
 
@@ -20,20 +18,9 @@ def print_json(obj: Any) -> None:
 
 def overrides(pairs: tuple[str, ...]) -> dict:
     """`--set training.target_tokens=2000000` → nested dict; values parse as TOML literals."""
-    from jobspec.files.run_toml import toml_value
+    from jobspec.files.overrides import parse_sets
 
-    out: dict = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {pair!r}: use --set section.key=value")
-        value = toml_value(raw, f"--set {key}")  # a bare word is a string
-        cur = out
-        *parents, leaf = key.split(".")
-        for p in parents:
-            cur = cur.setdefault(p, {})
-        cur[leaf] = value
-    return out
+    return parse_sets(pairs)
 
 
 def load_config(path: str, sets: tuple[str, ...] = ()) -> tuple[RunConfig, str]:

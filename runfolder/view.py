@@ -23,7 +23,7 @@ from runfolder.evals import eval_summary, eval_text
 from runfolder.goodput import account, goodput_line
 from runfolder.layout import EVAL_METRICS, EVENTS, MANIFEST, SUMMARY, TRAIN_METRICS, EventKind
 from runfolder.outcome import effective_manifest
-from runfolder.storage import configure_gcs_env
+from runfolder.storage import RetryPolicy, configure_gcs_env
 from runfolder.store import ArtifactStore
 
 TAIL_BYTES = 64 * 1024  # enough for the last few JSONL rows of any metrics file
@@ -233,13 +233,18 @@ def _earlier_note(manifest: dict[str, Any]) -> str:
     )
 
 
+#: `launch status` answers within seconds: storage that does not answer in this time is said in
+#: the progress's error, not waited for as long as a training host waits (storage_retry_s).
+STATUS_RETRY = RetryPolicy(total_s=10.0, call_s=10.0)
+
+
 def read_progress(run_uri: str, since: str | None = None) -> dict[str, Any]:
     """`launch status`'s progress of the run at `run_uri` (RunView.progress, read with `tail`);
     {"error": …} naming the file when unreadable; never raises. `since`: when the submission
     followed was made; a manifest older than that is an earlier submission's and gives no
     progress, only a note (as does a folder with no artifacts yet, and a prepare job's)."""
     try:
-        store = ArtifactStore(run_uri, process_index=0)
+        store = ArtifactStore(run_uri, process_index=0, retry=STATUS_RETRY)
         manifest = _stored_manifest(store)
         if manifest is None:
             return _nothing("no artifacts yet")

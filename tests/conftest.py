@@ -310,11 +310,10 @@ pytest_plugins = ("runs", "slurm_cluster")
 # ~300, test_expert_parallel ~260, test_multihost ~230, the SLURM files ~200, then 100-210 each).
 LONGEST_GROUPS = (
     "tests/test_plan_fit.py", "tests/test_expert_parallel.py", "tests/test_multihost.py",
-    "slurm", "tests/test_gemma4.py", "tests/test_human_output.py",
+    "tests/test_context_parallel.py", "slurm", "tests/test_gemma4.py", "tests/test_human_output.py",
     "tests/faults/test_storage_faults.py", "tests/test_launch_local.py",
     "tests/faults/test_run_owner.py", "tests/test_scan.py", "tests/faults/test_storage_deadline.py",
-    "tests/test_train.py", "tests/test_plan.py", "tests/test_context_parallel.py",
-    "tests/test_qwen3_next.py", "tests/test_boot.py",
+    "tests/test_train.py", "tests/test_plan.py", "tests/test_qwen3_next.py", "tests/test_boot.py",
     "tests/faults/test_frozen_host.py", "tests/test_rollouts.py", "tests/test_compile_cache.py",
     "tests/test_quiet_start.py",
 )  # fmt: skip

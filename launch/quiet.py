@@ -336,7 +336,24 @@ class QuietStream:
         return held.item.render(held.hosts)
 
 
-_END = object()
+END = object()
+
+
+def read_in_background(lines: Iterable[str], name: str) -> queue.Queue[object]:
+    """`lines` (which may block between lines) read by a daemon thread into a queue: each line,
+    then END; an exception of `lines` is put there for the reader to raise."""
+    q: queue.Queue[object] = queue.Queue()
+
+    def read() -> None:
+        try:
+            for line in lines:
+                q.put(line)
+        except BaseException as e:  # handed to the reader, raised there
+            q.put(e)
+        q.put(END)
+
+    threading.Thread(target=read, name=name, daemon=True).start()
+    return q
 
 
 def follow_quiet(
@@ -350,24 +367,14 @@ def follow_quiet(
     `logs(follow=True)`): it is read in a daemon thread, so held warnings come out when their
     window ends (checked every `tick` seconds) even while no line arrives, and all that is
     still held comes out when `lines` ends. An error of `lines` is raised here."""
-    q: queue.Queue[object] = queue.Queue()
-
-    def read() -> None:
-        try:
-            for line in lines:
-                q.put(line)
-        except BaseException as e:  # handed to the reader, raised there
-            q.put(e)
-        q.put(_END)
-
-    threading.Thread(target=read, name="quiet-logs", daemon=True).start()
+    q = read_in_background(lines, "quiet-logs")
     while True:
         try:
             got = q.get(timeout=tick)
         except queue.Empty:
             yield from stream.due(clock())
             continue
-        if got is _END:
+        if got is END:
             break
         if isinstance(got, BaseException):
             yield from stream.flush()

@@ -13,7 +13,6 @@ import queue
 import re
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any, TextIO
 
 from jobspec.errors import JaxjobError
 from jobspec.exit_codes import EXIT_TIMED_OUT
+from launch.quiet import END, read_in_background
 
 _DURATION = re.compile(
     r"(?:(?P<d>\d+(?:\.\d+)?)d)?(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m)?"
@@ -76,9 +76,6 @@ class Deadline:
         )
 
 
-_END = object()
-
-
 def until(lines: Iterable[str], deadline: Deadline | None, tick: float = 0.25) -> Iterator[str]:
     """`lines` (which may block between lines: a backend's `logs(follow=True)`) until they end
     or `deadline` passes; they are read in a daemon thread, so a silent run cannot hold the
@@ -86,23 +83,13 @@ def until(lines: Iterable[str], deadline: Deadline | None, tick: float = 0.25) -
     if deadline is None:
         yield from lines
         return
-    q: queue.Queue[object] = queue.Queue()
-
-    def read() -> None:
-        try:
-            for line in lines:
-                q.put(line)
-        except BaseException as e:  # handed to the reader, raised there
-            q.put(e)
-        q.put(_END)
-
-    threading.Thread(target=read, name="wait-logs", daemon=True).start()
+    q = read_in_background(lines, "wait-logs")
     while not deadline.passed():
         try:
             got = q.get(timeout=min(tick, max(deadline.left(), 0.001)))
         except queue.Empty:
             continue
-        if got is _END:
+        if got is END:
             return
         if isinstance(got, BaseException):
             raise got

@@ -319,7 +319,7 @@ def submit_cmd(
     impl = get_backend(backend, options)  # a bad option is said before the job spec is read
     registry = Registry()
     sub = prepare_submission(job, backend, registry, sets, envs)
-    refuse_incompatible_resubmit(registry, job, sub, sets)
+    refuse_incompatible_resubmit(registry, sub, sets)
     run_dir = registry.run_dir(sub.run_id)
     rec = _submit(impl, sub, registry, options, job)
     if not wait:

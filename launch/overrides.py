@@ -81,11 +81,11 @@ def describe(overrides: dict[str, Any]) -> str:
 
 
 def refuse_incompatible_resubmit(
-    registry: Registry, job_path: str, sub: Submission, sets: tuple[str, ...]
+    registry: Registry, sub: Submission, sets: tuple[str, ...]
 ) -> None:
-    """A resubmit of a fixed run id whose `--set`s change a key resume must keep (the checkpoint
-    compatibility keys, jobspec.compat) is refused here, before anything starts, rather than by
-    every host at resume."""
+    """A resubmit of a fixed run id with `--set`s whose config changes a key resume must keep
+    (the checkpoint compatibility keys, jobspec.compat) is refused here, before anything
+    starts, rather than by every host at resume."""
     if not sets or sub.spec.run_id is None or not registry.exists(sub.run_id):
         return
     previous = registry.run_dir(sub.run_id) / "cfg.toml"
@@ -93,14 +93,10 @@ def refuse_incompatible_resubmit(
         before = config_fingerprint(parse_run_config(tomllib.loads(previous.read_text())))
     except (OSError, ValueError, ConfigError):  # no or an older config: resume will tell
         return
-    base = load_job(job_path, lambda _: sub.run_id).run  # the job without the overrides
-    now = parse_run_config(tomllib.loads(sub.run_toml))
-    if base is None:
-        return
-    plain, new = config_fingerprint(base), config_fingerprint(now)
+    new = config_fingerprint(parse_run_config(tomllib.loads(sub.run_toml)))
     for key, value in new.items():
         old = before.get(key, value)
-        if value != old and value != plain.get(key):
+        if value != old:
             raise ConfigError(
                 f"--set: run {sub.run_id} ran with {key} = {old!r} and this submit makes it "
                 f"{value!r}, which resuming its checkpoints refuses; use a new run.id (run_id "

@@ -183,11 +183,11 @@ def test_the_resubmit_check_allows_what_resume_allows(tmp_path, monkeypatch):
     fake_previous(state, "ov-fixed", prepare_submission(str(job), "local", registry).run_toml)
     for sets in (("training.target_tokens=9999",), ("training.log_every=7",)):
         sub = prepare_submission(str(job), "local", registry, sets)
-        refuse_incompatible_resubmit(registry, str(job), sub, sets)
+        refuse_incompatible_resubmit(registry, sub, sets)
     sets = ("optimizer.lr=1e-2",)
     sub = prepare_submission(str(job), "local", registry, sets)
     with pytest.raises(ConfigError, match="optimizer.lr = 0.003.*use a new run.id"):
-        refuse_incompatible_resubmit(registry, str(job), sub, sets)
+        refuse_incompatible_resubmit(registry, sub, sets)
 
 
 @pytest.mark.slow

@@ -110,12 +110,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
         return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
-    t0, c0 = time.perf_counter(), cpu()
+    t0, c0, start = time.perf_counter(), cpu(), time.time()
     try:
         return (yield)
     finally:
+        # The worker and the start time give the run's timeline (which worker idled, and when).
         row = {"test": item.nodeid, "cpu_s": round(cpu() - c0, 2),
-               "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+               "wall_s": round(time.perf_counter() - t0, 2), "start": round(start, 2),
+               "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}  # fmt: skip
         with open(_CPU_LOG, "a") as f:
             f.write(json.dumps(row) + "\n")
 

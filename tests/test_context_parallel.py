@@ -24,11 +24,12 @@ _TINY = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_h
 #: The sparse dispatch: its token rows split over context too (runtime/model/moe/dispatch.py).
 _MOE = {**_TINY, "family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "moe_dispatch": "sparse"}  # fmt: skip
-#: Gated DeltaNet and gated attention layers, the recurrence in chunks of 4 across the shards.
-_NEXT = {**_TINY, "family": "qwen3_next", "num_layers": 4, "hidden_size": 32, "head_dim": 8,
+#: A Gated DeltaNet layer and a gated attention layer, the recurrence in chunks of 4 across the
+#: shards.
+_NEXT = {**_TINY, "family": "qwen3_next", "hidden_size": 32, "head_dim": 8,
          "intermediate_size": 48, "qwen3_next": {
              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
-             "linear_value_head_dim": 8, "chunk_size": 4}}  # fmt: skip
+             "linear_value_head_dim": 8, "chunk_size": 4, "full_attention_interval": 2}}  # fmt: skip
 #: Per family: one device, the sequence over 4 devices, and split over 2 beside another axis.
 _CASES = [
     # (qwen3 on fsdp 2 x context 2 runs as 4 processes in tests/test_multihost.py.)

@@ -308,16 +308,21 @@ def orbax_gs_run_uri(gcs_emulator: GcsEmulator, gs_run_uri: str) -> str:
 pytest_plugins = ("runs", "slurm_cluster")
 
 
-# The order the longest groups start in: their seconds in a 3-worker run on 2 cores (test_plan_fit
-# ~300, test_expert_parallel ~260, test_multihost ~230, the SLURM files ~200, then 100-210 each).
+# The order the longest groups start in (pyproject's --no-loadscope-reorder keeps it; xdist
+# would otherwise start the files with the most tests first): their seconds in a 3-worker run on
+# 2 cores, longest first, so the last group a worker takes is a short one (test_multihost ~145,
+# test_plan_fit ~130, the SLURM files ~120, test_storage_deadline ~115, mostly waiting on its
+# deadlines, then 45-110 each).
 LONGEST_GROUPS = (
-    "tests/test_plan_fit.py", "tests/test_expert_parallel.py", "tests/test_multihost.py",
-    "tests/test_context_parallel.py", "slurm", "tests/test_gemma4.py", "tests/test_human_output.py",
-    "tests/faults/test_storage_faults.py", "tests/test_launch_local.py",
-    "tests/faults/test_run_owner.py", "tests/test_scan.py", "tests/faults/test_storage_deadline.py",
-    "tests/test_train.py", "tests/test_plan.py", "tests/test_qwen3_next.py", "tests/test_boot.py",
-    "tests/faults/test_frozen_host.py", "tests/test_rollouts.py", "tests/test_compile_cache.py",
-    "tests/test_quiet_start.py",
+    "tests/test_multihost.py", "tests/test_plan_fit.py", "slurm",
+    "tests/faults/test_storage_deadline.py", "tests/test_expert_parallel.py",
+    "tests/test_context_parallel.py", "tests/test_scan.py", "tests/test_train.py",
+    "tests/test_plan.py", "tests/test_launch_local.py", "tests/faults/test_run_owner.py",
+    "tests/test_gemma4.py", "tests/test_qwen3_next.py", "tests/faults/test_storage_faults.py",
+    "tests/test_rollouts.py", "tests/faults/test_upload_exit.py",
+    "tests/faults/test_frozen_host.py", "tests/test_qwen3_5.py", "tests/test_boot.py",
+    "tests/faults/test_host_loss.py", "tests/test_deepseek_v3.py", "tests/test_gpt_oss.py",
+    "tests/test_chunked_loss.py", "tests/test_llama.py", "tests/test_hf.py",
 )  # fmt: skip
 
 

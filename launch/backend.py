@@ -69,6 +69,19 @@ class Handle:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class ClusterRun:
+    """A run jaxjob started that a backend found on its cluster (`launch list --backend B`),
+    whether or not this machine submitted it: enough to list it, cancel it and clean it up."""
+
+    run_id: str
+    state: str  # as status() says: pending|running|succeeded|failed|cancelled|unknown
+    detail: str
+    submitted: str  # ISO 8601, UTC ("" when the cluster does not say)
+    handle: Handle  # status/cancel/forget take it as they take a registry record's
+    where: str  # where it was found, e.g. "k8s ns/jobset-name" or "slurm job 123"
+
+
 class Backend(Protocol):
     """A way to run a job's hosts, registered by name in `launch.backends.BACKENDS`. Its job.yaml
     section (options, host processes, devices per host) is `jobspec.backends.<name>`."""
@@ -106,3 +119,14 @@ class Backend(Protocol):
 
     def cancel(self, handle: Handle) -> None:
         """Graceful: SIGTERM to every host first, so the runtime checkpoints."""
+
+    # Optional, for backends with a cluster to ask (k8s, slurm); `launch list/cancel/clean`
+    # check with hasattr:
+    #   cluster_runs(self, all_namespaces: bool = False) -> list[ClusterRun]
+    #       the runs jaxjob made there that the cluster still knows, newest first;
+    #   forget(self, handle: Handle) -> str | None
+    #       remove what the cluster keeps of an ended run (k8s: its JobSet and ConfigMap),
+    #       never the run's storage; what was removed ("JobSet ns/name"), None if nothing;
+    #   timed_logs(self, handle, *, host, tail, since_s, timestamps) -> Iterator[str]
+    #       `launch logs --follow --since/--timestamps` from the backend's own line times (k8s:
+    #       the kubelet's); without it, the run folder's recorded times (launch/logs_options.py).

@@ -13,7 +13,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -36,6 +36,10 @@ from launch.state import utc_now
 from launch.watch import Deadline, parse_duration
 from runfolder.goodput import duration
 from runfolder.outcome import closing_line
+
+if TYPE_CHECKING:
+    from launch.listing import RunRow
+    from launch.registry import BrokenRecordError
 
 
 def prepare_submission(
@@ -263,6 +267,55 @@ NAMESPACE_OPTION = click.option(
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
+def _selection_options(fn):
+    """--status/--name/--backend and the cluster's --context/--namespace/-A, shared by list,
+    cancel and clean (applied in reverse: click lists them in this order)."""
+    for opt in reversed([
+        click.option("--status", "states", multiple=True, metavar="S",
+                     help="Only runs in state S: pending, running, succeeded, failed, cancelled, "
+                     "unknown, or active (pending+running), ended; repeat or comma-separate."),
+        click.option("--name", "name", metavar="GLOB", default=None,
+                     help="Only runs whose id matches GLOB ('sweep-*'; a job's runs are "
+                     "'<name>-*')."),
+        click.option("--backend", "backend", type=click.Choice(list(BACKENDS)), default=None,
+                     help="Only this backend's runs; for k8s and slurm also the cluster's own: "
+                     "the JobSets jaxjob made in the namespace, the user's jaxjob jobs in "
+                     "squeue, from any machine."),
+        CONTEXT_OPTION,
+        click.option("--namespace", default=None,
+                     help="With --backend k8s: the namespace to look in (default: default)."),
+        click.option("-A", "--all-namespaces", "all_namespaces", is_flag=True,
+                     help="With --backend k8s: every namespace."),
+    ]):  # fmt: skip
+        fn = opt(fn)
+    return fn
+
+
+def _selected(
+    states: frozenset[str] | None,
+    name: str | None,
+    backend: str | None,
+    context: str | None,
+    namespace: str | None,
+    all_namespaces: bool,
+    newer_than_s: float | None = None,
+    older_than_s: float | None = None,
+) -> tuple[list[RunRow], list[BrokenRecordError], dict[str, Any]]:
+    """(rows, broken records, the cluster options) of the runs the options select."""
+    from launch.listing import RunFilter, collect
+
+    given = {"context": context, "namespace": namespace}
+    if (context or namespace or all_namespaces) and backend != "k8s":
+        flag = "--context" if context else "--namespace" if namespace else "--all-namespaces"
+        raise JaxjobError(f"{flag} applies only with --backend k8s")
+    if namespace and all_namespaces:
+        raise JaxjobError("--namespace and --all-namespaces exclude each other; give one")
+    options = backend_options(backend, given) if backend else {}
+    filt = RunFilter(states, name, newer_than_s, older_than_s, backend)
+    rows, broken = collect(Registry(), filt, options=options, all_namespaces=all_namespaces)
+    return rows, broken, options
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @version_option("launch")
 def cli() -> None:
@@ -480,14 +533,18 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
     "--since",
     metavar="DURATION",
     default=None,
-    help="Only lines written in the last DURATION (10s, 5m, 2h, 1h30m), as kubectl; the host "
-    "logs record no line times, so this says so and exits 2.",
+    help="Only lines written in the last DURATION (10s, 5m, 2h, 1h30m), as kubectl (--tail "
+    "then keeps the last K of those). From the run folder's host logs, which record when each "
+    "line was written (every attempt, or --attempt N); with --follow, k8s asks the API for "
+    "live pods' lines (sinceSeconds), local and slurm follow the run folder.",
 )
 @click.option(
     "--timestamps",
     is_flag=True,
-    help="Prefix each line with its time (RFC 3339), as kubectl; the host logs record no line "
-    "times, so this says so and exits 2.",
+    help="Put the time each line was written first (RFC 3339 UTC, ms: "
+    "2026-12-07T23:01:02.345Z [host 0] ...), as kubectl; a line shown once for several hosts "
+    "has the earliest of their times. Read as --since says: the run folder's recorded times; "
+    "with --follow on k8s the kubelet's, on local and slurm the run folder's as it grows.",
 )
 @click.option(
     "--attempt",
@@ -508,20 +565,17 @@ def logs_cmd(
     """The output of RUN (all attempts). By default the quiet view: host 0's lines, each prefixed
     `[host 0] `, and the other hosts' warnings and errors; a line that several hosts said is
     shown once, prefixed with their count (`[64 hosts: 0-63] `). --all-hosts: every host's
-    lines, each prefixed `[host N] `; --host N: that host's lines only."""
+    lines, each prefixed `[host N] `; --host N: that host's lines only. --since/--timestamps:
+    the run folder's host logs, with the time each host's tee recorded for each line."""
     from launch.quiet import Hidden, QuietStream, follow_quiet, quiet_lines
 
     if host is not None and all_hosts:
         raise JaxjobError("--host and --all-hosts exclude each other; use one")
     if attempt is not None and follow:
         raise JaxjobError("--attempt and --follow exclude each other; follow the latest attempt")
-    if since is not None:
-        parse_duration(since, "--since")
+    since_s = None if since is None else parse_duration(since, "--since")
     registry = Registry()
     rec = registry.lookup(run)
-    for option, given in (("--since", since is not None), ("--timestamps", timestamps)):
-        if given:
-            logs_options.refuse_line_times(rec.run_id, rec.backend, option)
     hosts = _host_count(registry, rec)
     if host is not None and hosts is not None and host >= hosts:
         raise JaxjobError(
@@ -529,12 +583,19 @@ def logs_cmd(
             if hosts > 1
             else f"--host {host}: run {rec.run_id} has one host, host 0"
         )
-    if attempt is not None:
-        lines = logs_options.attempt_lines(rec.run_uri, rec.run_id, attempt, host=host, tail=tail)
-    else:
-        backend = get_backend(rec.backend, rec.backend_options)
-        lines = backend.logs(rec.to_handle(), host=host, follow=follow, tail=tail)
     try:
+        if since_s is not None or timestamps:  # read before any line is printed: errors first
+            lines = logs_options.timed_logs(
+                rec, host=host, follow=follow, tail=tail, attempt=attempt, since_s=since_s,
+                timestamps=timestamps,
+            )  # fmt: skip
+        elif attempt is not None:
+            lines = logs_options.attempt_lines(
+                rec.run_uri, rec.run_id, attempt, host=host, tail=tail
+            )
+        else:
+            backend = get_backend(rec.backend, rec.backend_options)
+            lines = backend.logs(rec.to_handle(), host=host, follow=follow, tail=tail)
         if host is not None or all_hosts:
             for line in lines:
                 click.echo(line)
@@ -566,22 +627,62 @@ def _host_count(registry: Registry, rec: RunRecord) -> int | None:
 
 
 @cli.command("cancel")
-@click.argument("run")
-@click.option("--wait", is_flag=True, help="Return once the run has stopped.")
-def cancel_cmd(run: str, wait: bool) -> None:
-    """Stop RUN gracefully: every host gets SIGTERM, saves a checkpoint and exits."""
+@click.argument("run", required=False)
+@click.option("--wait", is_flag=True, help="Return once the run (or every run) has stopped.")
+@click.option("--all", "all_runs", is_flag=True,
+              help="Every pending or running run the filters select (all of them without "
+              "filters).")  # fmt: skip
+@_selection_options
+@click.option("-y", "--yes", is_flag=True, help="With --all/--name/--status: do not ask first.")
+def cancel_cmd(
+    run: str | None,
+    wait: bool,
+    all_runs: bool,
+    states: tuple[str, ...],
+    name: str | None,
+    backend: str | None,
+    context: str | None,
+    namespace: str | None,
+    all_namespaces: bool,
+    yes: bool,
+) -> None:
+    """Stop RUN gracefully: every host gets SIGTERM, saves a checkpoint and exits. Or many runs:
+    --all (every pending or running run), narrowed by --name/--status/--backend; they are shown
+    and asked about first unless --yes."""
+    from launch.bulk import cancel_rows, confirm
+    from launch.listing import STATE_GROUPS, parse_states
+
+    bulk = all_runs or name is not None or bool(states) or backend is not None
+    if run is not None and bulk:
+        raise JaxjobError("give RUN or a selection (--all, --name, --status, --backend), not both")
+    if run is None:
+        if not bulk:
+            raise JaxjobError("give the run to cancel (launch cancel RUN), or --all")
+        wanted = parse_states(states) or STATE_GROUPS["active"]
+        if not wanted <= STATE_GROUPS["active"]:
+            raise JaxjobError("--status: only pending or running runs can be cancelled")
+        rows, _, options = _selected(wanted, name, backend, context, namespace, all_namespaces)
+        if not rows:
+            click.echo("no pending or running runs match; nothing to cancel")
+            return
+        if not confirm(f"Cancel these {len(rows)} run(s)?", rows, yes):
+            click.echo("nothing cancelled", err=True)
+            sys.exit(EXIT_FAILED)
+        sys.exit(cancel_rows(rows, options, wait))
+    if yes or context or namespace or all_namespaces:
+        raise JaxjobError("-y/--context/--namespace/-A go with --all, --name or --status")
     rec = Registry().lookup(run)
-    backend = get_backend(rec.backend, rec.backend_options)
+    backend_impl = get_backend(rec.backend, rec.backend_options)
     handle = rec.to_handle()
-    state = backend.status(handle).get("state")
+    state = backend_impl.status(handle).get("state")
     if state in TERMINAL:
         click.echo(f"{rec.run_id} has already ended ({state}); nothing to cancel")
         return
-    backend.cancel(handle)
+    backend_impl.cancel(handle)
     if not wait:
         click.echo(f"cancel sent to {rec.run_id}: its hosts checkpoint and stop")
         return
-    while not _ended(st := backend.status(handle)):
+    while not _ended(st := backend_impl.status(handle)):
         time.sleep(0.5)
     click.echo(f"{rec.run_id} {st['state']}: {st.get('detail', '')}")
 
@@ -611,37 +712,83 @@ def wait_cmd(run: str, timeout: str | None) -> None:
 
 
 @cli.command("list")
-@click.option(
-    "--status", "with_status", is_flag=True, help="Also ask each run's backend for its state."
-)
+@_selection_options
+@click.option("--since", metavar="D", default=None, help="Only runs submitted in the last D "
+              "(30m, 2h, 7d).")  # fmt: skip
 @JSON_OPTION
-def list_cmd(with_status: bool, as_json: bool) -> None:
-    """Runs submitted from this machine, newest first."""
-    rows: list[dict[str, Any]] = []
-    records, broken = Registry().scan()
-    for rec in records:
-        row = {"run_id": rec.run_id, "backend": rec.backend, "submitted": rec.submitted,
-               "run_uri": rec.run_uri, "job_path": rec.job_path}  # fmt: skip
-        if with_status:
-            try:
-                st = get_backend(rec.backend, rec.backend_options).status(rec.to_handle())
-                row["state"] = st.get("state", "unknown")
-            except JaxjobError as e:  # one unreachable cluster must not hide the other runs
-                row["state"] = f"unknown ({e})"
-        rows.append(row)
+def list_cmd(
+    states: tuple[str, ...],
+    name: str | None,
+    backend: str | None,
+    context: str | None,
+    namespace: str | None,
+    all_namespaces: bool,
+    since: str | None,
+    as_json: bool,
+) -> None:
+    """Runs, newest first, with their state as each backend says: those submitted from this
+    machine, and with --backend k8s|slurm also the cluster's own (WHERE says where they were
+    found; `here` is this machine's record)."""
+    from launch.bulk import HEADER, row_line
+    from launch.listing import parse_states
+
+    wanted = parse_states(states)
+    newer = parse_duration(since, "--since") if since is not None else None
+    rows, broken, _ = _selected(wanted, name, backend, context, namespace, all_namespaces, newer)
     if as_json:
-        _print_json(rows)
+        _print_json([r.to_json() for r in rows])
         for b in broken:  # the JSON stays a list of runs; what could not be read goes aside
             click.echo(f"broken record: {b.path}: {b.why}", err=True)
         return
+    filtered = any((wanted, name, backend, since))
     if not rows and not broken:
-        click.echo("no runs submitted from this machine yet")
+        click.echo("no runs match" if filtered else "no runs submitted from this machine yet")
         return
+    if rows:
+        click.echo(HEADER)
     for r in rows:
-        state = f"  {r['state']}" if with_status else ""
-        click.echo(f"{r['run_id']:<48} {r['backend']:<6} {r['submitted'][:19]}Z{state}")
+        click.echo(row_line(r))
     for b in broken:
         click.echo(f"broken record: {b.path}: {b.why}")
+
+
+@cli.command("clean")
+@_selection_options
+@click.option("--older-than", "older_than", metavar="D", default=None,
+              help="Only runs submitted longer ago than D (7d, 12h).")  # fmt: skip
+@click.option("-y", "--yes", is_flag=True, help="Do not ask first.")
+def clean_cmd(
+    states: tuple[str, ...],
+    name: str | None,
+    backend: str | None,
+    context: str | None,
+    namespace: str | None,
+    all_namespaces: bool,
+    older_than: str | None,
+    yes: bool,
+) -> None:
+    """Remove ended runs' records from this machine (`launch list` no longer shows them) and, on
+    Kubernetes, their finished JobSets and ConfigMaps. Never a run's storage: its checkpoints,
+    metrics and host logs stay. Asks first unless --yes."""
+    from launch.bulk import clean_rows, confirm
+    from launch.listing import STATE_GROUPS, parse_states
+
+    wanted = parse_states(states) or STATE_GROUPS["ended"]
+    if not wanted <= STATE_GROUPS["ended"]:
+        raise JaxjobError(
+            "--status: clean removes ended runs only; use succeeded, failed, cancelled or ended"
+        )
+    older = parse_duration(older_than, "--older-than") if older_than is not None else None
+    rows, _, options = _selected(wanted, name, backend, context, namespace, all_namespaces,
+                                 older_than_s=older)  # fmt: skip
+    rows = [r for r in rows if r.ended]
+    if not rows:
+        click.echo("no ended runs match; nothing to clean")
+        return
+    if not confirm(f"Remove the records of these {len(rows)} ended run(s)?", rows, yes):
+        click.echo("nothing removed", err=True)
+        sys.exit(EXIT_FAILED)
+    sys.exit(clean_rows(Registry(), rows, options))
 
 
 @cli.command("plan")

@@ -23,6 +23,11 @@ For identity the glog time and thread id, and a leading ISO timestamp, are ignor
 traceback (`Traceback (most recent call last):`, its indented lines and the exception line) is
 one item, so the same traceback from several hosts is shown once, whole.
 
+A line may carry its time first, before its host (`launch logs --timestamps`:
+`2026-12-07T23:01:02.345Z [host 3] ...`, as kubectl puts it): it is grouped as the same line
+without the time, and a line shown once for several hosts carries the earliest of their times
+(for the k-th time hosts said it, the earliest host's k-th time).
+
 Native libraries' notices that say nothing a user acts on (gloo's "[Gloo] Rank 0 is connected
 to 1 peer ranks ..." on CPU clusters) are left out of the quiet view like another host's
 ordinary lines, and counted apart ("2 library notice(s)"); --all-hosts and --host N show them.
@@ -45,6 +50,8 @@ WINDOW_S = 2.0  # how long a warning waits for the other hosts to say it too
 MAX_RANGE_PARTS = 8  # `[n hosts: ...]` lists at most this many ranges, then "..."
 
 _HOST = re.compile(r"\[host (\d+)\] ?")
+# `launch logs --timestamps`: RFC 3339 UTC with milliseconds, before the host prefix.
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z) (?=\[host \d+\])")
 # absl/glog: level, MMDD, time, thread id, then `file.cc:12] message`.
 _GLOG = re.compile(r"([IWEF])\d{4} [\d:.]+\s+\d+\s+(.*)", re.S)
 _ISO_TIME = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\s*")
@@ -66,6 +73,20 @@ def split_host(line: str) -> tuple[int | None, str]:
     if m is None:
         return None, line
     return int(m.group(1)), line[m.end() :]
+
+
+def split_stamp(line: str) -> tuple[str | None, str]:
+    """(time, rest) of a `<time> [host N] text` line (--timestamps); (None, line) without one."""
+    m = _STAMP.match(line)
+    if m is None:
+        return None, line
+    return m.group(1), line[m.end() :]
+
+
+def _earliest(stamps: Iterable[tuple[str | None, ...]]) -> tuple[str | None, ...] | None:
+    """The times of the item said first (times of one format sort as strings); None if none."""
+    timed = [s for s in stamps if s and s[0] is not None]
+    return min(timed, key=lambda s: s[0] or "") if timed else None
 
 
 def is_warning(text: str) -> bool:
@@ -154,14 +175,21 @@ class _Item:
     warning: bool
     key: Key = ()
     chatter: bool = False
+    stamps: tuple[str | None, ...] = ()  # each text's time (--timestamps), or none
 
     def __post_init__(self) -> None:
         if not self.key:
             self.key = tuple(line_key(t) for t in self.texts)
 
-    def render(self, hosts: Iterable[int]) -> list[str]:
+    def render(
+        self, hosts: Iterable[int], stamps: tuple[str | None, ...] | None = None
+    ) -> list[str]:
+        """Each text prefixed with the hosts' marker, and its time first when it has one
+        (`stamps`: the times to show instead of its own, e.g. another host's earlier ones)."""
         m = marker(hosts)
-        return [f"{m} {t}" for t in self.texts]
+        times = stamps if stamps is not None else self.stamps
+        times = (tuple(times) + (None,) * len(self.texts))[: len(self.texts)]
+        return [f"{s} {m} {t}" if s else f"{m} {t}" for s, t in zip(times, self.texts, strict=True)]
 
 
 @dataclass
@@ -170,6 +198,7 @@ class _Block:
 
     texts: list[str]
     last: float
+    stamps: list[str | None] = field(default_factory=list)
 
 
 class _Splitter:
@@ -178,28 +207,32 @@ class _Splitter:
     def __init__(self) -> None:
         self.blocks: dict[int, _Block] = {}
 
-    def feed(self, host: int, text: str, now: float = 0.0) -> list[_Item]:
+    def feed(self, host: int, text: str, now: float = 0.0, stamp: str | None = None) -> list[_Item]:
         out: list[_Item] = []
         block = self.blocks.get(host)
         if block is not None:
             if text[:1].isspace():  # a frame of the traceback
                 block.texts.append(text)
+                block.stamps.append(stamp)
                 block.last = now
                 return out
             if text.strip():  # the exception line ends it
                 block.texts.append(text)
+                block.stamps.append(stamp)
                 out.append(self.close(host))
                 return out
             out.append(self.close(host))  # a blank line ends it; the blank line is its own
         if text.startswith(_TRACEBACK):
-            self.blocks[host] = _Block([text], now)
+            self.blocks[host] = _Block([text], now, [stamp])
             return out
         chatter = is_chatter(text)
-        out.append(_Item(host, [text], is_warning(text) and not chatter, chatter=chatter))
+        warning = is_warning(text) and not chatter
+        out.append(_Item(host, [text], warning, chatter=chatter, stamps=(stamp,)))
         return out
 
     def close(self, host: int) -> _Item:
-        return _Item(host, self.blocks.pop(host).texts, warning=True)
+        block = self.blocks.pop(host)
+        return _Item(host, block.texts, warning=True, stamps=tuple(block.stamps))
 
     def close_stale(self, before: float) -> list[_Item]:
         """Tracebacks whose last line came before `before` (a host that stopped mid-way)."""
@@ -216,19 +249,33 @@ def quiet_lines(lines: Iterable[str], hidden: Hidden | None = None) -> list[str]
     split = _Splitter()
     items: list[_Item | str] = []  # str: a line without a host prefix, kept as it is
     for line in lines:
-        host, text = split_host(line)
+        stamp, rest = split_stamp(line)
+        host, text = split_host(rest)
         if host is None:
             items.append(line)
         else:
-            items += split.feed(host, text)
+            items += split.feed(host, text, stamp=stamp)
     items += split.close_all()
     hosts_of: dict[Key, set[int]] = {}
+    # Each host's sayings of each warning, in order: the k-th of them go together (for times).
+    said: dict[Key, dict[int, list[_Item]]] = {}
+    nth: dict[int, int] = {}  # id(item) -> k: the how-manyth time its host said it
     present: set[int] = set()
     for it in items:
         if isinstance(it, _Item):
             present.add(it.host)
             if it.warning:
                 hosts_of.setdefault(it.key, set()).add(it.host)
+                mine = said.setdefault(it.key, {}).setdefault(it.host, [])
+                nth[id(it)] = len(mine)
+                mine.append(it)
+
+    def grouped(it: _Item) -> list[str]:
+        by_host = said[it.key]
+        k = nth[id(it)]
+        peers = (xs[k].stamps for xs in by_host.values() if k < len(xs))
+        return it.render(hosts_of[it.key], _earliest(peers))
+
     lead = LEAD if LEAD in present or not present else min(present)
     out: list[str] = []
     shown: set[Key] = set()
@@ -238,12 +285,12 @@ def quiet_lines(lines: Iterable[str], hidden: Hidden | None = None) -> list[str]
         elif it.chatter:
             hidden.notices += len(it.texts)
         elif it.host == lead:
-            out += it.render(hosts_of[it.key] if it.warning else {lead})
+            out += grouped(it) if it.warning else it.render({lead})
         elif not it.warning:
             hidden.add(it.host, len(it.texts))
         elif it.key not in shown and lead not in hosts_of[it.key]:
             shown.add(it.key)
-            out += it.render(hosts_of[it.key])
+            out += grouped(it)
     return out
 
 
@@ -252,6 +299,7 @@ class _Held:
     item: _Item
     hosts: set[int]
     deadline: float
+    stamps: tuple[str | None, ...] | None = None  # the earliest host's times, once another joined
 
 
 class QuietStream:
@@ -275,11 +323,12 @@ class QuietStream:
 
     def feed(self, line: str, now: float) -> list[str]:
         out = self.due(now)
-        host, text = split_host(line)
+        stamp, rest = split_stamp(line)
+        host, text = split_host(rest)
         if host is None:
             out.append(line)
             return out
-        for it in self._split.feed(host, text, now):
+        for it in self._split.feed(host, text, now, stamp):
             out += self._take(it, now)
         return out
 
@@ -313,6 +362,7 @@ class QuietStream:
         held = next((h for h in opened if it.host not in h.hosts), None)
         if held is not None:
             held.hosts.add(it.host)
+            held.stamps = _earliest([held.stamps or held.item.stamps, it.stamps])
             if self.hosts is not None and len(held.hosts) >= self.hosts:
                 return self._emit(held)  # every host said it: no need to wait
             return []
@@ -333,7 +383,7 @@ class QuietStream:
         if not opened:
             del self._open[held.item.key]
         self._shown.add(held.item.key)
-        return held.item.render(held.hosts)
+        return held.item.render(held.hosts, held.stamps)
 
 
 END = object()

@@ -13,6 +13,7 @@ they are written: state.py):
 from __future__ import annotations
 
 import difflib
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,18 @@ class Registry(RunFolders):
 
     def exists(self, run_id: str) -> bool:
         return (self.run_dir(run_id) / RECORD_FILE).is_file()
+
+    def remove(self, rec: RunRecord) -> bool:
+        """Remove the run's folder here (its record, its copies of cfg.toml and job.yaml, and
+        what the backend kept there), never its artifacts; False when the record is no longer
+        `rec` (submitted again since), which is then kept. Under the run's submit lock, so a
+        submit of the same run id under way is never half removed."""
+        with self.submit_lock(rec.run_id):
+            now = self.get(rec.run_id)
+            if now is None or now.submitted != rec.submitted:
+                return False
+            shutil.rmtree(self.run_dir(rec.run_id))
+        return True
 
     def lookup(self, run_id: str) -> RunRecord:
         """The record of `run_id`, or an error naming the closest run ids this machine knows."""

@@ -32,6 +32,7 @@ TENSORBOARD, WANDB = "tensorboard", "wandb"  # the [metrics] sinks' files
 PROFILE = "profile"  # [profile] traces, profile_dir(i) per host
 DISK_RESERVE = ".disk-reserve"  # room for the failure record on a full disk
 LOGS = "logs"  # each host's output in each attempt, host_log(attempt, i)
+LINE_TIMES = ".times"  # beside each host log: when its lines arrived (line_times_record)
 
 #: The layout recorded in manifest.json.
 LAYOUT = {
@@ -63,13 +64,37 @@ def host_log(attempt: int, process_index: int) -> str:
     return f"{LOGS}/attempt-{attempt}/host-{process_index}.log"
 
 
-# host_log's path, or its attempt's folder, at the end of a path under any root.
+def line_times_record(lines: int, unix_time: float) -> bytes:
+    """One record of a host log's sidecar `<log>.times` (runtime/host/hostlog.py): by
+    `unix_time` the log held `lines` newlines. A line's time is that of the first record whose
+    count exceeds its index (0-based); records never go back in time or count."""
+    return f"{lines} {unix_time:.3f}\n".encode()
+
+
+def parse_line_times(data: bytes) -> list[tuple[int, float]]:
+    """The records of a `<log>.times` sidecar, in order: its complete lines (a last one without
+    its newline is a write cut short); a malformed one is skipped."""
+    out: list[tuple[int, float]] = []
+    for raw in data.split(b"\n")[:-1]:
+        fields = raw.split()
+        if len(fields) != 2:
+            continue
+        try:
+            out.append((int(fields[0]), float(fields[1])))
+        except ValueError:
+            continue
+    return out
+
+
+# host_log's path, or its attempt's folder, at the end of a path under any root; its sidecar
+# (`host-<i>.log.times`, also as `.times.parts/`) and the log's parts folder are neither.
 _HOST_LOG = re.compile(rf"(?:^|/){LOGS}/attempt-([0-9]+)(?:/host-([0-9]+)\.log)?\Z")
 
 
 def parse_host_log(path: str) -> tuple[int, int | None] | None:
     """(attempt, host) of a path host_log built, (attempt, None) of its attempt's folder, under
-    any root (`gs://b/run/logs/attempt-1/host-0.log` is (1, 0)); None for any other path."""
+    any root (`gs://b/run/logs/attempt-1/host-0.log` is (1, 0)); None for any other path (its
+    line-times sidecar `host-0.log.times` included)."""
     if (found := _HOST_LOG.search(path.rstrip("/"))) is None:
         return None
     return int(found[1]), None if found[2] is None else int(found[2])

@@ -98,9 +98,9 @@ def test_local_launch_commands_plain(local_run):
     assert len(logs) == 2 and logs[0].startswith("[host 0] ") and logs[1].startswith("[host 1] ")
     quiet = ok(launch(state, "logs", run_id, "--tail", "1")).splitlines()
     assert quiet == logs[:1]  # the default view: host 0's lines
-    listed = ok(launch(state, "list", "--status")).splitlines()
-    assert len(listed) == 1 and listed[0].split()[:2] == [run_id, "local"]
-    assert listed[0].endswith("  succeeded")
+    listed = ok(launch(state, "list")).splitlines()  # a header, then the run with its state
+    assert len(listed) == 2 and listed[1].split()[:3] == [run_id, "local", "succeeded"]
+    assert listed[1].split()[-1] == "here"
     again = ok(launch(state, "cancel", run_id))
     assert again.strip() == f"{run_id} has already ended (succeeded); nothing to cancel"
 
@@ -218,8 +218,8 @@ def test_k8s_launch_commands_plain(tmp_path):
         logs = ok(launch(state, "logs", JS, "--all-hosts", env=env)).splitlines()
         assert logs == [f"[host {i}] step 3 on {i}" for i in range(4)]
         assert ok(launch(state, "logs", JS, env=env)).splitlines() == logs[:1]
-        listed = ok(launch(state, "list", env=env)).split()
-        assert listed[:2] == [JS, "k8s"]
+        listed = ok(launch(state, "list", env=env)).splitlines()
+        assert listed[1].split()[:2] == [JS, "k8s"]
 
         api.answer("DELETE", f"{JOBSETS}/{JS}", {"kind": "Status", "status": "Success"})
         api.answer("DELETE", f"{CONFIGMAPS}/{JS}-config", {"kind": "Status", "status": "Success"})
@@ -260,10 +260,21 @@ def test_slurm_job_that_can_never_start_says_why(tmp_path, prepared, slurm_clust
             f"job asks for {hosts}; reduce hosts (or raise slurm.hosts_per_node for a CPU job) or "
             "choose another partition (slurm.partition), then cancel and resubmit"
         ), st["hint"]
-        listed = ok(launch(state, "list", "--status")).split()
-        assert listed[:2] == [run_id, "slurm"] and listed[-1] == "pending"
-        cancel = ok(launch(state, "cancel", run_id)).strip()
-        assert cancel == f"cancel sent to {run_id}: its hosts checkpoint and stop"
+        listed = ok(launch(state, "list", "--status", "pending")).splitlines()
+        assert listed[1].split()[:3] == [run_id, "slurm", "pending"]
+        # Another machine (a registry that never saw the run) finds it in squeue by its comment,
+        # and cancels it from there; here it is listed once, as this machine's.
+        job_id = json.loads(record.read_text())["handle"]["job_id"]
+        elsewhere = tmp_path / "elsewhere"
+        found = json.loads(ok(launch(elsewhere, "list", "--backend", "slurm", "--json")))
+        mine = [r for r in found if r["run_id"] == run_id]
+        assert [(r["state"], r["submitted_here"], r["where"]) for r in mine] == [
+            ("pending", False, f"slurm job {job_id}")
+        ], found
+        here = json.loads(ok(launch(state, "list", "--backend", "slurm", "--json")))
+        assert [r["where"] for r in here if r["run_id"] == run_id] == ["here"]
+        cancel = ok(launch(elsewhere, "cancel", "--backend", "slurm", "--name", run_id, "--yes"))
+        assert f"cancel sent to {run_id}: its hosts checkpoint and stop" in cancel
         deadline = time.monotonic() + 60
         while not fields(ok(launch(state, "status", run_id)))["state"].startswith("cancelled"):
             assert time.monotonic() < deadline

@@ -245,7 +245,7 @@ def _fake_scontrol(monkeypatch, text: str | None) -> None:
             return subprocess.CompletedProcess(cmd, 1, "", "slurm_load_jobs error: Invalid job id")
         return subprocess.CompletedProcess(cmd, 0, text, "")
 
-    monkeypatch.setattr(submit, "_run", run)
+    monkeypatch.setattr(submit, "run_command", run)
 
 
 @pytest.mark.parametrize(
@@ -302,7 +302,7 @@ def test_logs_prefix_tail_and_follow(tmp_path, monkeypatch):
     states = iter(["RUNNING", "RUNNING", "COMPLETED"])
     texts = iter([SCONTROL.format(state=s, reason="None", restarts=0, code=0) for s in states])
     monkeypatch.setattr(
-        submit, "_run", lambda cmd, **_: subprocess.CompletedProcess(cmd, 0, next(texts), "")
+        submit, "run_command", lambda cmd, **_: subprocess.CompletedProcess(cmd, 0, next(texts), "")
     )
     lines = []
     for line in backend.logs(h, host=1, follow=True):
@@ -329,7 +329,7 @@ def test_cancel_sends_term_and_leaves_the_escalation_to_a_detached_process(tmp_p
         def __init__(self, cmd, **kw):
             spawned.append({"cmd": cmd, **kw})
 
-    monkeypatch.setattr(submit, "_run", run)
+    monkeypatch.setattr(submit, "run_command", run)
     monkeypatch.setattr(submit.subprocess, "Popen", Popen)
     SlurmBackend().cancel(h)  # `launch cancel` without --wait: returns at once
     assert [c[0] for c in calls] == ["scontrol", "scancel"] and calls[1][1] == "--signal=TERM"
@@ -352,6 +352,40 @@ def test_cancel_without_grace_scancels_at_once(tmp_path, monkeypatch):
         text = SCONTROL.format(state="RUNNING", reason="None", restarts=0, code=0)
         return subprocess.CompletedProcess(cmd, 0, text if cmd[0] == "scontrol" else "", "")
 
-    monkeypatch.setattr(submit, "_run", run)
+    monkeypatch.setattr(submit, "run_command", run)
     SlurmBackend().cancel(_handle(tmp_path), grace_s=0)
     assert calls[-2:] == [["scancel", "--signal=TERM", "7"], ["scancel", "7"]]
+
+
+def test_cluster_runs_are_the_users_jobs_with_jaxjobs_comment(monkeypatch, tmp_path):
+    """`launch list --backend slurm` reads squeue: only jobs whose comment is `jaxjob:<run>`,
+    the run folder from the batch script's path (which may hold the separator)."""
+    odd = tmp_path / "a|b" / "run-x"
+    odd.mkdir(parents=True)
+    squeue = (
+        f"12|RUNNING|2026-12-07T10:00:00|jaxjob:run-x|{odd}/job.sbatch\n"
+        "13|PENDING|2026-12-07T11:00:00|(null)|/home/u/other.sh\n"
+        f"14|PENDING|2026-12-07T12:00:00|jaxjob:run-y|{tmp_path}/run-y/job.sbatch\n"
+    )
+    asked = []
+
+    def run(cmd, *, check=True, timeout=60):
+        asked.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, squeue, "")
+
+    from launch.backends.slurm import queue
+
+    monkeypatch.setattr(queue, "run_command", run)
+    seen = []
+
+    def status_of(handle: Handle) -> dict:
+        seen.append(handle.data)
+        return {"state": "running", "detail": "as scontrol says"}
+
+    runs = queue.cluster_runs(status_of)
+    assert asked[0][0] == "squeue" and "--noheader" in asked[0]
+    assert [(r.run_id, r.submitted, r.where) for r in runs] == [
+        ("run-y", "2026-12-07T12:00:00Z", "slurm job 14"),
+        ("run-x", "2026-12-07T10:00:00Z", "slurm job 12"),
+    ]
+    assert {d["job_id"]: d["workdir"] for d in seen} == {"12": str(odd), "14": f"{tmp_path}/run-y"}

@@ -13,6 +13,20 @@ drops what does not fit, counting it; so the pipes always drain and a `print` ne
 disk. The first failure of an outage is said once on the original stderr ("warning: cannot
 write host log ...: No space left on device; dropping log lines until it can be written"), the
 recovery once with what was lost, and the log itself gets a marker line where lines are missing.
+
+Beside each log, a sidecar `host-<i>.log.times` records when its lines arrived, for `launch logs
+--since/--timestamps` (launch/logs_options.py): text records `<newlines in the log> <unix
+time>` (runfolder.layout.line_times_record), taken as the log accepts each chunk, so they count
+exactly the log's bytes (marker lines included) and a line's time is that of the first record
+whose count exceeds its index. The log's bytes are not changed. Chunks that arrive within
+TIMES_GRAIN_S of the last record share one record (a burst of output costs one line, not one
+per write; a line's time is then at most that much late); a line still without its newline at
+close gets a record of its own. The sidecar is written the same never-blocking way, by a sink
+of its own (locally) or uploaded in parts by the same flusher (object stores, before the log, so
+a reader never finds a new log without its sidecar); what does not fit while it cannot be
+written is dropped and counted, silently (it shares the log's folder and disk, whose outage the
+log's warning says), and the lines meanwhile show the next recorded time. The first record,
+`0 <time>`, is when the tee started.
 """
 
 from __future__ import annotations
@@ -23,9 +37,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from jobspec.run_config import is_remote
-from runfolder.layout import host_log
+from runfolder.layout import LINE_TIMES, host_log, line_times_record
 from runfolder.storage import PART_BYTES, join, part_path, url_to_fs
 
 FLUSH_EVERY_S = 5.0
@@ -33,6 +48,8 @@ FLUSH_EVERY_S = 5.0
 # counted) rather than kept in memory without bound or allowed to block the pumps.
 LOG_DEFER_BYTES = 1 << 20
 TERMINAL_DEFER_BYTES = 1 << 20
+TIMES_DEFER_BYTES = 256 << 10  # the line-times sidecar's bound (a record is about 20 bytes)
+TIMES_GRAIN_S = 0.01  # chunks closer than this to the last record share one record
 RETRY_S = (0.2, 1.0, 2.0, 5.0)  # waits between retries of a failing destination
 CLOSE_TIMEOUT_S = 5.0  # longest close() waits for sinks to drain (a stuck disk must not hang exit)
 UPLOAD_CLOSE_TIMEOUT_S = 60.0  # the last upload of a normal exit (not a hard exit) may take longer
@@ -73,16 +90,27 @@ class _Sink:
     `write(data)` writes a prefix of `data` and returns its length, or raises OSError. While it
     fails, up to `limit` bytes wait and are retried; chunks that do not fit are dropped whole and
     counted, and a marker line takes their place once writing resumes. `warn` gets one sentence
-    when an outage starts and one when it ends; it must not block.
+    when an outage starts and one when it ends; it must not block. `markers=False`: no marker
+    line (a file of records, not of output). `accepted(data)` is told every byte queued, in the
+    order written, under the sink's lock (the log's line clock).
     """
 
     def __init__(
-        self, what: str, write: Callable[[bytes], int], limit: int, warn: Callable[[str], None]
+        self,
+        what: str,
+        write: Callable[[bytes], int],
+        limit: int,
+        warn: Callable[[str], None],
+        *,
+        markers: bool = True,
+        accepted: Callable[[bytes], None] | None = None,
     ) -> None:
         self.what = what
         self._write = write
         self._limit = limit
         self._warn = warn
+        self._markers = markers
+        self._accepted = accepted
         self._buf = bytearray()
         self._cond = threading.Condition()
         self._closing = False
@@ -114,9 +142,11 @@ class _Sink:
                 self._lost_bytes += len(chunk)
                 self._lost_lines += lines
             else:
-                if self._gap_bytes:
-                    self._buf += self._marker()
-                self._buf += chunk
+                marker = self._marker() if self._gap_bytes else b""
+                added = marker + chunk if self._markers else chunk
+                self._buf += added
+                if self._accepted is not None:
+                    self._accepted(added)
                 self._ends_line = chunk.endswith(b"\n")
                 self._cond.notify()
         if stalled:  # outside the lock: warn puts into another sink, whose put may warn back
@@ -192,27 +222,166 @@ def _write_fd(fd: int) -> Callable[[bytes], int]:
     return lambda data: os.write(fd, data)
 
 
+def _quiet(_line: str) -> None:
+    """The sidecar's outages are not said: the log beside it, on the same disk, says them."""
+
+
+class _LineClock:
+    """When the log's lines arrived: told every byte the log accepts (`accepted`, in the log's
+    order), it hands `<lines> <time>` records to `emit` (the sidecar's sink or upload).
+
+    A chunk with newlines gets a record, unless the last record is under TIMES_GRAIN_S old: then
+    the record is held and moved on with each such chunk (the lines keep their own time to
+    within the grain), and handed on with the next chunk after the grain (with or without a
+    newline), at `settle()` (each upload) or at `finish()`. Times never go back (a clock set
+    back by NTP repeats the last time).
+    """
+
+    def __init__(self, emit: Callable[[bytes], None]) -> None:
+        self._emit = emit
+        self._lock = threading.Lock()
+        self._lines = 0
+        self._open = False  # the log's last byte is not a newline: a line is under way
+        self._last = 0.0  # the latest time recorded
+        self._grain = float("-inf")  # when the last record handed on was taken
+        self._held: tuple[int, float] | None = None
+
+    def _now(self) -> float:
+        self._last = max(time.time(), self._last)
+        return self._last
+
+    def accepted(self, data: bytes) -> None:
+        if not data:
+            return
+        with self._lock:
+            self._open = not data.endswith(b"\n")
+            n = data.count(b"\n")
+            now = self._now()
+            late = now - self._grain >= TIMES_GRAIN_S
+            out = self._take_held() if late else b""
+            if n:
+                self._lines += n
+                if late:
+                    out += line_times_record(self._lines, now)
+                    self._grain = now
+                else:
+                    self._held = (self._lines, now)
+            if out:
+                self._emit(out)
+
+    def _take_held(self) -> bytes:
+        held, self._held = self._held, None
+        return b"" if held is None else line_times_record(*held)
+
+    def start(self) -> None:
+        """The first record, `0 <time>`: when the tee started (and the sidecar exists from then)."""
+        with self._lock:
+            self._emit(line_times_record(0, self._now()))
+
+    def settle(self) -> None:
+        """Hand on a held record (before an upload: its lines get their own time, not a later one)."""
+        with self._lock:
+            if out := self._take_held():
+                self._emit(out)
+
+    def finish(self, whole: bool) -> None:
+        """At close: the held record, and when `whole` (every pump has ended, so nothing more comes)
+        one for a last line that never got its newline."""
+        with self._lock:
+            out = self._take_held()
+            if whole and self._open:
+                self._lines += 1
+                self._open = False
+                out += line_times_record(self._lines, self._now())
+            if out:
+                self._emit(out)
+
+
+class _Upload:
+    """A growing file on an object store (no append), uploaded as parts (runfolder.storage parted
+    objects, which readers read back in order): the current part is rewritten while under
+    PART_BYTES, then the next one starts and its finished bytes leave memory, so an upload costs
+    at most one part however long the run. While uploads fail, what exceeds `limit` beyond the
+    current part is dropped and counted. Only the tee's flusher thread uploads."""
+
+    def __init__(self, fs: Any, path: str, limit: int) -> None:
+        self.fs, self.path, self.limit = fs, path, limit
+        self.buf = bytearray()  # the current part's bytes, and what follows it
+        self.lock = threading.Lock()  # guards buf and dropped
+        self.uploaded = -1  # length of buf the last successful upload held (-1: none yet)
+        self.part = 0
+        self.dropped = 0  # bytes not kept since the last successful upload
+
+    def add(self, data: bytes, accepted: Callable[[bytes], None] | None = None) -> bool | None:
+        """Keep `data` for the next upload (telling `accepted`, in order, under the lock): None;
+        else it is dropped and counted: whether it is the first drop since the last upload."""
+        with self.lock:
+            if len(self.buf) + len(data) <= PART_BYTES + self.limit:
+                self.buf.extend(data)
+                if accepted is not None:
+                    accepted(data)
+                return None
+            first = not self.dropped
+            self.dropped += len(data)
+            return first
+
+    def upload(self) -> int | None:
+        """Upload what is new as the tail part: the bytes dropped since the last upload once it
+        succeeded; None when there was nothing new or it failed (the bytes stay buffered: the
+        next upload tries them again)."""
+        with self.lock:
+            data = bytes(self.buf[:PART_BYTES])  # the current part's bytes only
+            dropped, self.dropped = self.dropped, 0
+        if len(data) == self.uploaded and not dropped:
+            return None  # nothing new since the last upload
+        try:
+            self.fs.pipe_file(part_path(self.path, self.part), data)
+        except Exception:  # a log upload must never take the training run down with it
+            with self.lock:
+                self.dropped += dropped
+            return None
+        self.uploaded = len(data)
+        if len(data) >= PART_BYTES:
+            with self.lock:
+                del self.buf[: len(data)]
+            self.part += 1
+            self.uploaded = 0
+        return dropped
+
+
 class HostLogTee:
-    """Duplicates fds 1 and 2 into a log file while they still reach the original outputs."""
+    """Duplicates fds 1 and 2 into a log file while they still reach the original outputs; the
+    sidecar `<log>.times` records when the log's lines arrived (see the module doc)."""
 
     def __init__(self, uri: str) -> None:
         self.uri = uri
         self.fs, self.path = url_to_fs(uri)
         self.remote = is_remote(uri)
-        self._buf = bytearray()  # on an object store: the current part's bytes, not yet done
-        self._lock = threading.Lock()  # guards _buf and _dropped
-        self._uploaded = -1  # length of _buf the last successful upload held (-1: none yet)
-        self._part = 0  # the log part being written on an object store (see _flush_remote)
-        self._dropped = 0  # bytes not kept while uploads fail and the buffer is full
+        self.times_path = self.path + LINE_TIMES
+        self._clock = _LineClock(self._put_times)
+        # On an object store: the log's and the sidecar's uploads (see _flush_remote).
+        self._log_upload = _Upload(self.fs, self.path, LOG_DEFER_BYTES)
+        self._times_upload = _Upload(self.fs, self.times_path, TIMES_DEFER_BYTES)
         self._threads: list[threading.Thread] = []
         self._fd: int | None = None  # the local log file, opened by its sink's thread
+        self._times_fd: int | None = None  # the local sidecar, opened by its sink's thread
         self._originals: dict[int, int] = {}
         self._terminal: dict[int, _Sink] = {}
         self._log: _Sink | None = None
+        self._times: _Sink | None = None
         self._flush_now = threading.Event()
         self._closing = threading.Event()
         self._flusher: threading.Thread | None = None
         self._closed = False
+
+    # The log's upload buffer and its lock, by their older names.
+    @property
+    def _buf(self) -> bytearray:
+        return self._log_upload.buf
+
+    @property
+    def _lock(self) -> threading.Lock:
+        return self._log_upload.lock
 
     def start(self) -> HostLogTee:
         if self.remote:
@@ -231,9 +400,15 @@ class HostLogTee:
             )
             self._flusher.start()
         else:
+            self._times = _Sink(
+                f"line times {self.times_path}", self._write_times, TIMES_DEFER_BYTES, _quiet,
+                markers=False,
+            )  # fmt: skip
             self._log = _Sink(
-                f"host log {self.path}", self._write_local, LOG_DEFER_BYTES, self._note_on_stderr
-            )
+                f"host log {self.path}", self._write_local, LOG_DEFER_BYTES,
+                self._note_on_stderr, accepted=self._clock.accepted,
+            )  # fmt: skip
+        self._clock.start()
         for fd in (1, 2):
             r, w = os.pipe()
             os.dup2(w, fd)
@@ -254,6 +429,12 @@ class HostLogTee:
         else:
             self._buffer_remote(f"{line}\n".encode())
 
+    def _put_times(self, records: bytes) -> None:
+        if self._times is not None:
+            self._times.put(records)
+        else:
+            self._times_upload.add(records)  # dropped and counted when it does not fit
+
     def _write_local(self, data: bytes) -> int:
         # Opened lazily and retried like a write: a log directory that cannot be created yet
         # (a full disk) is the same outage as a write that fails.
@@ -261,6 +442,12 @@ class HostLogTee:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         return os.write(self._fd, data)
+
+    def _write_times(self, data: bytes) -> int:
+        if self._times_fd is None:
+            os.makedirs(os.path.dirname(self.times_path) or ".", exist_ok=True)
+            self._times_fd = os.open(self.times_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return os.write(self._times_fd, data)
 
     def _pump(self, r: int, fd: int) -> None:
         """Read one pipe until EOF; hands each chunk on and never waits on a destination."""
@@ -282,13 +469,7 @@ class HostLogTee:
     def _buffer_remote(self, chunk: bytes) -> None:
         """Keep output for the next upload, bounded like a local log's deferral: while uploads
         fail, what exceeds LOG_DEFER_BYTES is dropped and counted, and said once on stderr."""
-        with self._lock:
-            if len(self._buf) + len(chunk) <= PART_BYTES + LOG_DEFER_BYTES:
-                self._buf.extend(chunk)
-                return
-            first = not self._dropped
-            self._dropped += len(chunk)
-        if first:
+        if self._log_upload.add(chunk, self._clock.accepted):
             self._note_on_stderr(
                 f"warning: cannot upload host log {self.uri}; dropping log lines until it can be "
                 "uploaded"
@@ -305,27 +486,14 @@ class HostLogTee:
         self._flush_remote()  # the rest of the log, at close
 
     def _flush_remote(self) -> None:
-        """Upload what is new as the log's tail part, `<log>.parts/000000.log`, … (runfolder.storage
-        parted objects, which `launch logs` reads back in order): the part is rewritten while
-        under PART_BYTES, then the next one starts and the finished bytes leave memory, so an
-        upload costs at most one part however long the run. Only the flusher thread uploads."""
-        with self._lock:
-            data = bytes(self._buf[:PART_BYTES])  # the current part's bytes only
-            dropped, self._dropped = self._dropped, 0
-        if len(data) == self._uploaded and not dropped:
-            return  # nothing new since the last upload
-        try:
-            self.fs.pipe_file(part_path(self.path, self._part), data)
-        except Exception:  # a log upload must never take the training run down with it
-            with self._lock:
-                self._dropped += dropped
-            return  # the bytes stay buffered: the next flush uploads them
-        self._uploaded = len(data)
-        if len(data) >= PART_BYTES:
-            with self._lock:
-                del self._buf[: len(data)]
-            self._part += 1
-            self._uploaded = 0
+        """Upload what is new of the sidecar, then of the log, each as its tail part
+        (`<log>.times.parts/000000.times`, `<log>.parts/000000.log`, …; runfolder.storage parted
+        objects, which `launch logs` reads back in order). The sidecar goes first: a reader may
+        find records of lines not uploaded yet (they wait for them), never a log without its
+        sidecar. Only the flusher thread uploads."""
+        self._clock.settle()
+        self._times_upload.upload()  # its drops: those lines show the next recorded time
+        dropped = self._log_upload.upload()
         if dropped:  # the gap is said in the log itself, once it can be written again
             self._note_in_log(f"[jaxjob: {dropped} bytes of output were dropped here]")
 
@@ -348,8 +516,11 @@ class HostLogTee:
         for t in self._threads:
             # A child process that inherited the pipe keeps it open: do not wait for it forever.
             t.join(max(0.0, min(2.0, deadline - time.monotonic())))
+        self._clock.finish(whole=not any(t.is_alive() for t in self._threads))
         if self._log is not None:
             self._log.close(deadline)
+        if self._times is not None:
+            self._times.close(deadline)
         if self._flusher is not None:
             self._closing.set()
             self._flush_now.set()
@@ -360,6 +531,10 @@ class HostLogTee:
         if self._fd is not None and (self._log is None or not self._log._thread.is_alive()):
             os.close(self._fd)
             self._fd = None
+        if self._times_fd is not None and self._times is not None:
+            if not self._times._thread.is_alive():
+                os.close(self._times_fd)
+                self._times_fd = None
 
 
 def _flush_std_streams() -> None:

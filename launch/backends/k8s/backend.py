@@ -14,14 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from jobspec.errors import ConfigError
 from jobspec.run_config import check_dns_label
-from launch.backend import Handle, RenderedFile, Submission, tail_lines
+from launch.backend import ClusterRun, Handle, RenderedFile, Submission, tail_lines
 from launch.backends.k8s.render import (
     COMPLETION_INDEX_KEY,
     CONTAINER,
     COORDINATOR_PORT,
     JOB_GLOBAL_INDEX_KEY,
     JOBSET_NAME_KEY,
+    MANAGED_BY_LABEL,
     RESTART_ATTEMPT_KEY,
+    RUN_ID_LABEL,
     Manifests,
     configmap_name,
     render_manifests,
@@ -152,11 +154,7 @@ class K8sBackend:
     ) -> Iterator[str]:
         d = handle.data
         c = self._client_for(handle)
-        js = c.get_jobset(d["namespace"], d["jobset"])
-        selector = f"{JOBSET_NAME_KEY}={d['jobset']}"
-        pods = current_pods(js, c.list_pods(d["namespace"], selector)) if js else {}
-        if host is not None:
-            pods = {h: p for h, p in pods.items() if h == host}
+        pods = self._live_pods(c, d, host)
         if not pods:  # restarted, deleted or past its TTL: the run's own copy of the logs
             yield from saved_logs(d["output_uri"], d["run_id"], host=host, tail=tail)
             return
@@ -167,16 +165,69 @@ class K8sBackend:
             return
         yield from self._follow(c, ns, pods, tail)
 
+    def timed_logs(
+        self,
+        handle: Handle,
+        *,
+        host: int | None,
+        tail: int | None,
+        since_s: float | None,
+        timestamps: bool,
+    ) -> Iterator[str]:
+        """`launch logs --follow` with --since/--timestamps (launch/logs_options.py): each live
+        pod's stream with the API's own times (timestamps=true, sinceSeconds), as `<time> [host
+        N] text`; without pods (ended, or between restarts) the run folder's lines and times."""
+        from launch.logs_options import timed_lines
+        from runfolder.storage import join
+
+        d = handle.data
+        c = self._client_for(handle)
+        pods = self._live_pods(c, d, host)
+        if not pods:
+            run_uri = join(d["output_uri"], d["run_id"])
+            yield from timed_lines(
+                run_uri, d["run_id"], attempt=None, host=host, tail=tail, since_s=since_s,
+                timestamps=timestamps,
+            )  # fmt: skip
+            return
+        yield from self._follow(
+            c, d["namespace"], pods, tail, timestamps=timestamps, since_s=since_s
+        )
+
+    def _live_pods(self, c: K8sClient, d: dict[str, Any], host: int | None) -> dict[int, dict]:
+        """The current submission's pods by host (`host`'s only), none once the JobSet is gone."""
+        js = c.get_jobset(d["namespace"], d["jobset"])
+        selector = f"{JOBSET_NAME_KEY}={d['jobset']}"
+        pods = current_pods(js, c.list_pods(d["namespace"], selector)) if js else {}
+        if host is not None:
+            pods = {h: p for h, p in pods.items() if h == host}
+        return pods
+
     def _pod_lines(
-        self, c: K8sClient, ns: str, h: int, pod: dict, *, follow: bool, tail: int | None
+        self,
+        c: K8sClient,
+        ns: str,
+        h: int,
+        pod: dict,
+        *,
+        follow: bool,
+        tail: int | None,
+        timestamps: bool = False,
+        since_s: float | None = None,
     ) -> Iterator[str]:
         from launch.backends.k8s.client import K8sError
+        from launch.logs_options import split_kubelet_time
 
         name = pod["metadata"]["name"]
         while True:
             try:
-                for line in c.pod_log(ns, name, CONTAINER, follow=follow, tail=tail):
-                    yield f"[host {h}] {line}"
+                for line in c.pod_log(
+                    ns, name, CONTAINER, follow=follow, tail=tail, timestamps=timestamps,
+                    since_s=since_s,
+                ):  # fmt: skip
+                    stamp, text = split_kubelet_time(line) if timestamps else (None, line)
+                    # The time first, before the host, as kubectl puts it.
+                    yield f"{stamp} [host {h}] {text}" if stamp else f"[host {h}] {line}"
                 return
             except K8sError as e:
                 # 400: the container has not started yet; following waits for it.
@@ -187,14 +238,23 @@ class K8sBackend:
                 time.sleep(self.poll_s)
 
     def _follow(
-        self, c: K8sClient, ns: str, pods: dict[int, dict], tail: int | None
+        self,
+        c: K8sClient,
+        ns: str,
+        pods: dict[int, dict],
+        tail: int | None,
+        *,
+        timestamps: bool = False,
+        since_s: float | None = None,
     ) -> Iterator[str]:
         """Every host's stream at once, interleaved as lines arrive."""
         lines: queue.Queue[str | None] = queue.Queue()
 
         def pump(h: int, pod: dict) -> None:
             try:
-                for line in self._pod_lines(c, ns, h, pod, follow=True, tail=tail):
+                for line in self._pod_lines(
+                    c, ns, h, pod, follow=True, tail=tail, timestamps=timestamps, since_s=since_s
+                ):
                     lines.put(line)
             finally:
                 lines.put(None)
@@ -218,6 +278,60 @@ class K8sBackend:
         c = self._client_for(handle)
         c.delete_jobset(d["namespace"], d["jobset"])
         c.delete_configmap(d["namespace"], configmap_name(d["run_id"]))
+
+    # ---- the cluster's runs (launch list/cancel/clean) ------------------------------------------
+
+    def cluster_runs(self, all_namespaces: bool = False) -> list[ClusterRun]:
+        """The JobSets jaxjob made in the namespace (--namespace, else `default`; every
+        namespace with `all_namespaces`), newest first, each with its state as `status` reads
+        it (conditions and pods; one pod list for all of them)."""
+        c, context = self._client(self.context)
+        ns = None if all_namespaces else (self.namespace or "default")
+        selector = f"{MANAGED_BY_LABEL}=jaxjob"
+        pods_of: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for pod in c.list_pods(ns, selector):
+            meta = pod.get("metadata") or {}
+            owner = (meta.get("labels") or {}).get(JOBSET_NAME_KEY)
+            pods_of.setdefault((meta.get("namespace", ns or ""), owner or ""), []).append(pod)
+        out = []
+        for js in c.list_jobsets(ns, selector):
+            meta = js.get("metadata") or {}
+            name, where_ns = meta.get("name", ""), meta.get("namespace", ns or "")
+            run_id = (meta.get("labels") or {}).get(RUN_ID_LABEL, name)
+            data = {"namespace": where_ns, "jobset": name, "context": context, "run_id": run_id,
+                    "output_uri": _env_value(js, "JAXJOB_OUTPUT_URI") or "", "uid": meta.get("uid"),
+                    "submitted": meta.get("creationTimestamp", "")}  # fmt: skip
+            try:
+                st = summarise(js, pods_of.get((where_ns, name), []), [])
+            except (KeyError, TypeError, ValueError):  # not a JobSet jaxjob rendered
+                st = {"state": "unknown", "detail": "its spec is not one jaxjob renders"}
+            out.append(ClusterRun(run_id, st["state"], st["detail"], data["submitted"],
+                                  Handle(self.name, data), f"k8s {where_ns}/{name}"))  # fmt: skip
+        out.sort(key=lambda r: (r.submitted, r.run_id), reverse=True)
+        return out
+
+    def forget(self, handle: Handle) -> str | None:
+        """Delete an ended run's JobSet and ConfigMap (its storage stays); what was deleted, or
+        None when the JobSet was already gone."""
+        d = handle.data
+        c = self._client_for(handle)
+        js = c.get_jobset(d["namespace"], d["jobset"])
+        if js is not None and not _same_submission(js, d):
+            return None  # a later submission's JobSet of the same name: not this run's to remove
+        gone = c.delete_jobset(d["namespace"], d["jobset"]) if js is not None else False
+        c.delete_configmap(d["namespace"], configmap_name(d["run_id"]))
+        return f"JobSet {d['namespace']}/{d['jobset']}" if gone else None
+
+
+def _env_value(js: dict[str, Any], name: str) -> str | None:
+    """The literal value of env `name` in the JobSet's first container (None: not there)."""
+    for rj in (js.get("spec") or {}).get("replicatedJobs") or []:
+        pod = ((rj.get("template") or {}).get("spec") or {}).get("template") or {}
+        for ctr in (pod.get("spec") or {}).get("containers") or []:
+            for e in ctr.get("env") or []:
+                if e.get("name") == name and "value" in e:
+                    return str(e["value"])
+    return None
 
 
 # ---- reading JobSet state (pure functions of the API objects) ----------------------------------

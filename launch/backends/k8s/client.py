@@ -8,6 +8,7 @@ one sentence naming what was asked and what the server said.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -175,14 +176,50 @@ class K8sClient:
             missing_ok=True,
         )
 
-    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        resp = self._call(
-            f"listing pods {selector} in {namespace}",
-            self.core.list_namespaced_pod,
-            namespace,
-            label_selector=selector,
-            _preload_content=False,
+    def list_jobsets(self, namespace: str | None, selector: str) -> list[dict[str, Any]]:
+        """The JobSets matching `selector` in `namespace` (None: in every namespace)."""
+        if namespace is None:
+            return (
+                self._call(
+                    f"listing JobSets {selector} in every namespace",
+                    self.custom.list_cluster_custom_object,
+                    JOBSET_GROUP,
+                    JOBSET_VERSION,
+                    JOBSET_PLURAL,
+                    label_selector=selector,
+                ).get("items")
+                or []
+            )
+        return (
+            self._call(
+                f"listing JobSets {selector} in {namespace}",
+                self.custom.list_namespaced_custom_object,
+                JOBSET_GROUP,
+                JOBSET_VERSION,
+                namespace,
+                JOBSET_PLURAL,
+                label_selector=selector,
+            ).get("items")
+            or []
         )
+
+    def list_pods(self, namespace: str | None, selector: str) -> list[dict[str, Any]]:
+        """The pods matching `selector` in `namespace` (None: in every namespace)."""
+        if namespace is None:
+            resp = self._call(
+                f"listing pods {selector} in every namespace",
+                self.core.list_pod_for_all_namespaces,
+                label_selector=selector,
+                _preload_content=False,
+            )
+        else:
+            resp = self._call(
+                f"listing pods {selector} in {namespace}",
+                self.core.list_namespaced_pod,
+                namespace,
+                label_selector=selector,
+                _preload_content=False,
+            )
         return self._json(resp).get("items") or []
 
     def list_jobs(self, namespace: str, selector: str) -> list[dict[str, Any]]:
@@ -196,9 +233,28 @@ class K8sClient:
         return self._json(resp).get("items") or []
 
     def pod_log(
-        self, namespace: str, pod: str, container: str, *, follow: bool, tail: int | None
+        self,
+        namespace: str,
+        pod: str,
+        container: str,
+        *,
+        follow: bool,
+        tail: int | None,
+        timestamps: bool = False,
+        since_s: float | None = None,
     ) -> Iterator[str]:
-        """The container's output, line by line (without newlines); streamed when `follow`."""
+        """The container's output, line by line (without newlines); streamed when `follow`.
+        `timestamps`: each line starts with the kubelet's time as `launch logs --timestamps`
+        shows times (`2026-12-07T23:01:02.345Z text`; launch.logs_options.split_kubelet_time);
+        `since_s`: only lines of the last that many seconds (the API's sinceSeconds, whole
+        seconds, rounded up)."""
+        from launch.logs_options import split_kubelet_time
+
+        extra: dict[str, Any] = {}
+        if timestamps:
+            extra["timestamps"] = True
+        if since_s is not None:
+            extra["since_seconds"] = max(1, math.ceil(since_s))
         resp = self._call(
             f"reading the log of pod {namespace}/{pod}",
             self.core.read_namespaced_pod_log,
@@ -208,10 +264,15 @@ class K8sClient:
             follow=follow,
             tail_lines=tail,
             _preload_content=False,
+            **extra,
         )
         try:
             for raw in resp:  # urllib3 yields the body line by line
-                yield raw.decode(errors="replace").rstrip("\r\n")
+                line = raw.decode(errors="replace").rstrip("\r\n")
+                if timestamps:
+                    stamp, text = split_kubelet_time(line)
+                    line = f"{stamp} {text}" if stamp is not None else line
+                yield line
         except HTTPError:
             return  # the stream broke off (the pod went away): its log ends here
         finally:

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.errors import ConfigError
-from launch.backend import Handle, RenderedFile, Submission
-from launch.backends.slurm import render, status, submit
+from launch.backend import ClusterRun, Handle, RenderedFile, Submission
+from launch.backends.slurm import queue, render, status, submit
 from launch.backends.slurm.render import RunDir, default_rundir
 from launch.backends.slurm.submit import SlurmError
 
@@ -92,6 +92,10 @@ class SlurmBackend:
     def cancel(self, handle: Handle, *, grace_s: float | None = None, wait: bool = False) -> None:
         """SIGTERM to every host, then scancel after the grace (see submit.cancel)."""
         submit.cancel(handle, grace_s=grace_s, wait=wait, poll_s=self.poll_s)
+
+    def cluster_runs(self, all_namespaces: bool = False) -> list[ClusterRun]:
+        """The user's jaxjob jobs in squeue (queue.py); `all_namespaces` is k8s's alone."""
+        return queue.cluster_runs(self.status)
 
     def escalate(self, handle: Handle, grace_s: float) -> None:
         """Wait up to `grace_s` for the job to end after its SIGTERM, then scancel it outright."""

@@ -85,6 +85,10 @@ class RunDir:
         return self.logs / f"host-{host}.log"
 
 
+# The `--comment` of every job the backend submits: this prefix, then the run id.
+JOB_COMMENT_PREFIX = "jaxjob:"
+
+
 class ScriptTemplate(string.Template):
     """`@{name}` placeholders; `$` stays the shell's."""
 
@@ -218,6 +222,8 @@ def _directive_values(
     acc = spec.catalogue
     out: list[tuple[str, str | int | None, str]] = [
         ("job-name", sub.run_id, "run_id"),
+        # How `launch list --backend slurm` tells jaxjob's jobs in squeue from the user's others.
+        ("comment", f"{JOB_COMMENT_PREFIX}{sub.run_id}", "run_id"),
         ("nodes", nodes, "hosts"),
         ("ntasks-per-node", per_node, "hosts"),
     ]

@@ -35,7 +35,10 @@ class SlurmError(JaxjobError):
     """A SLURM command failed or the cluster cannot be reached."""
 
 
-def _run(cmd: list[str], *, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_command(
+    cmd: list[str], *, check: bool = True, timeout: float = 60
+) -> subprocess.CompletedProcess:
+    """Run a SLURM command; a missing command, no answer or a failure is one SlurmError."""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
@@ -100,7 +103,7 @@ def first_int(text: str) -> int | None:
 def partition_info(name: str, cluster: str | None = None) -> dict[str, str]:
     """`scontrol show partition NAME -o` as a dict (TotalNodes, MaxNodes, MaxTime, ...); empty
     when the partition cannot be read (the caller then gives a hint without its figures)."""
-    proc = _run(slurm_cmd("scontrol", "show", "partition", "-o", name, cluster=cluster),
+    proc = run_command(slurm_cmd("scontrol", "show", "partition", "-o", name, cluster=cluster),
                 check=False)  # fmt: skip
     if proc.returncode != 0:
         return {}
@@ -111,7 +114,7 @@ def job_record(handle: Handle) -> JobRecord | None:
     """The job as slurmctld knows it, or None once it forgot (MinJobAge after the end)."""
     cmd = slurm_cmd("scontrol", "show", "job", "-o", str(handle.data["job_id"]),
                     cluster=handle.data.get("cluster"))  # fmt: skip
-    proc = _run(cmd, check=False)
+    proc = run_command(cmd, check=False)
     if proc.returncode != 0:
         if "Invalid job id" in proc.stderr:
             return None
@@ -146,7 +149,7 @@ def submit(sub: Submission, rd: RunDir, files: list[RenderedFile]) -> Handle:
     _write_rundir(rd, files)
     batch_log = rd.logs / "batch.log"  # a resubmitted run's jobs append to one batch.log
     offset = batch_log.stat().st_size if batch_log.exists() else 0
-    out = _run(slurm_cmd("sbatch", "--parsable", str(rd.script))).stdout.strip()
+    out = run_command(slurm_cmd("sbatch", "--parsable", str(rd.script))).stdout.strip()
     job_id, _, cluster = out.splitlines()[-1].partition(";")  # "id" or "id;cluster"
     data: dict[str, Any] = {
         "job_id": job_id,
@@ -176,10 +179,10 @@ def cancel(handle: Handle, *, grace_s: float | None, wait: bool, poll_s: float) 
         return  # already over: its outcome stays what it was
     rd.cancel_mark.write_text(f"{time.time():.0f}\n")
     if job.state in PENDING:
-        _run(slurm_cmd("scancel", job_id, cluster=cluster))
+        run_command(slurm_cmd("scancel", job_id, cluster=cluster))
         return
     # --signal without --batch/--full signals the job steps only: the hosts, not the shell.
-    _run(slurm_cmd("scancel", "--signal=TERM", job_id, cluster=cluster), check=False)
+    run_command(slurm_cmd("scancel", "--signal=TERM", job_id, cluster=cluster), check=False)
     grace = float(grace_s if grace_s is not None else handle.data.get("grace_s", 120))
     if wait or grace <= 0:
         escalate(handle, grace, poll_s=poll_s)
@@ -208,4 +211,4 @@ def escalate(handle: Handle, grace_s: float, *, poll_s: float) -> None:
             return
         time.sleep(poll_s)
     cmd = slurm_cmd("scancel", str(handle.data["job_id"]), cluster=handle.data.get("cluster"))
-    _run(cmd, check=False)
+    run_command(cmd, check=False)

@@ -182,8 +182,9 @@ def test_a_broken_record_is_one_line_and_the_others_list(tmp_path, content, why)
     res = launch(state, "list")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     out = res.stdout.splitlines()
-    assert [ln.split()[0] for ln in out[:2]] == ["good-aaaaaa", "good-bbbbbb"]
-    assert len(out) == 3 and out[2].startswith(f"broken record: {bad}: {why}"), out
+    assert out[0].split()[:3] == ["RUN", "BACKEND", "STATE"]
+    assert [ln.split()[0] for ln in out[1:3]] == ["good-aaaaaa", "good-bbbbbb"]
+    assert len(out) == 4 and out[3].startswith(f"broken record: {bad}: {why}"), out
     as_json = launch(state, "list", "--json")
     assert [r["run_id"] for r in json.loads(as_json.stdout)] == ["good-aaaaaa", "good-bbbbbb"]
     assert stderr_lines(as_json.stderr)[-1].startswith(f"broken record: {bad}: {why}")

@@ -308,21 +308,29 @@ def orbax_gs_run_uri(gcs_emulator: GcsEmulator, gs_run_uri: str) -> str:
 pytest_plugins = ("runs", "slurm_cluster")
 
 
+# Files that mostly wait (on a deadline, a supervisor's poll, SLURM's scheduler: their CPU is a
+# fifth of their time) run one after another on one worker, the "waits" group, with the SLURM
+# files (which must share a worker anyway), while the other workers compile and train: spread
+# over every worker, two or three of them waited at once and left cores idle (164% CPU on 2
+# cores). In a 3-worker run on 2 cores the group takes ~650 s, the rest ~1,300 CPU s.
+WAITING_FILES = frozenset({
+    "tests/faults/test_storage_deadline.py", "tests/test_launch_local.py",
+    "tests/faults/test_run_owner.py", "tests/faults/test_upload_exit.py", "tests/test_boot.py",
+    "tests/faults/test_host_loss.py", "tests/test_resubmit.py", "tests/test_launch_wait.py",
+})  # fmt: skip
+
 # The order the longest groups start in (pyproject's --no-loadscope-reorder keeps it; xdist
-# would otherwise start the files with the most tests first): their seconds in a 3-worker run on
-# 2 cores, longest first, so the last group a worker takes is a short one (test_multihost ~145,
-# test_plan_fit ~130, the SLURM files ~120, test_storage_deadline ~115, mostly waiting on its
-# deadlines, then 45-110 each).
+# would otherwise start the files with the most tests first): longest first, so the last group a
+# worker takes is a short one (seconds in a 3-worker run on 2 cores: the waits ~650, then
+# test_multihost ~145, test_plan_fit ~130, 45-110 each).
 LONGEST_GROUPS = (
-    "tests/test_multihost.py", "tests/test_plan_fit.py", "slurm",
-    "tests/faults/test_storage_deadline.py", "tests/test_expert_parallel.py",
-    "tests/test_context_parallel.py", "tests/test_scan.py", "tests/test_train.py",
-    "tests/test_plan.py", "tests/test_launch_local.py", "tests/faults/test_run_owner.py",
-    "tests/test_gemma4.py", "tests/test_qwen3_next.py", "tests/faults/test_storage_faults.py",
-    "tests/test_rollouts.py", "tests/faults/test_upload_exit.py",
-    "tests/faults/test_frozen_host.py", "tests/test_qwen3_5.py", "tests/test_boot.py",
-    "tests/faults/test_host_loss.py", "tests/test_deepseek_v3.py", "tests/test_gpt_oss.py",
-    "tests/test_chunked_loss.py", "tests/test_llama.py", "tests/test_hf.py",
+    "waits", "tests/test_multihost.py", "tests/test_plan_fit.py",
+    "tests/test_expert_parallel.py", "tests/test_context_parallel.py", "tests/test_scan.py",
+    "tests/test_train.py", "tests/test_plan.py", "tests/test_gemma4.py",
+    "tests/test_qwen3_next.py", "tests/faults/test_storage_faults.py", "tests/test_rollouts.py",
+    "tests/faults/test_frozen_host.py", "tests/test_qwen3_5.py", "tests/test_deepseek_v3.py",
+    "tests/test_gpt_oss.py", "tests/test_chunked_loss.py", "tests/test_llama.py",
+    "tests/test_hf.py",
 )  # fmt: skip
 
 
@@ -340,14 +348,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     cores + 1 workers): a file's tests stay on one worker, so its module fixtures (a trained run, a
     launched job) run once; and every file that uses the SLURM cluster shares one worker, so
     only one worker ever starts or stops the dev cluster and its jobs never queue behind another
-    worker's. Without xdist the markers do nothing, and the order only moves whole files."""
+    worker's: the "waits" group, with the files that mostly wait (WAITING_FILES). Without xdist
+    the markers do nothing, and the order only moves whole files."""
     slurm_files = {
         item.nodeid.split("::")[0] for item in items if "slurm_cluster" in item.fixturenames
     }
     groups: dict[str, str] = {}
     for item in items:
         path = item.nodeid.split("::")[0]
-        groups[item.nodeid] = group = "slurm" if path in slurm_files else path
+        waits = path in slurm_files or path in WAITING_FILES
+        groups[item.nodeid] = group = "waits" if waits else path
         item.add_marker(pytest.mark.xdist_group(group))
     # The longest groups first (a stable sort keeps each group's own order), so the last group a
     # worker takes is a short one rather than a long one started near the end.

@@ -312,25 +312,25 @@ pytest_plugins = ("runs", "slurm_cluster")
 # fifth of their time) run one after another on one worker, the "waits" group, with the SLURM
 # files (which must share a worker anyway), while the other workers compile and train: spread
 # over every worker, two or three of them waited at once and left cores idle (164% CPU on 2
-# cores). In a 3-worker run on 2 cores the group takes ~650 s, the rest ~1,300 CPU s.
+# cores). In a 3-worker run on 2 cores the group takes ~750 s, the rest ~1,250 CPU s.
 WAITING_FILES = frozenset({
     "tests/faults/test_storage_deadline.py", "tests/test_launch_local.py",
     "tests/faults/test_run_owner.py", "tests/faults/test_upload_exit.py", "tests/test_boot.py",
     "tests/faults/test_host_loss.py", "tests/test_resubmit.py", "tests/test_launch_wait.py",
+    "tests/faults/test_frozen_host.py", "tests/faults/test_storage_faults.py",
 })  # fmt: skip
 
 # The order the longest groups start in (pyproject's --no-loadscope-reorder keeps it; xdist
 # would otherwise start the files with the most tests first): longest first, so the last group a
-# worker takes is a short one (seconds in a 3-worker run on 2 cores: the waits ~650, then
+# worker takes is a short one (seconds in a 3-worker run on 2 cores: the waits ~750, then
 # test_multihost ~145, test_plan_fit ~130, 45-110 each).
 LONGEST_GROUPS = (
     "waits", "tests/test_multihost.py", "tests/test_plan_fit.py",
     "tests/test_expert_parallel.py", "tests/test_context_parallel.py", "tests/test_scan.py",
     "tests/test_train.py", "tests/test_plan.py", "tests/test_gemma4.py",
-    "tests/test_qwen3_next.py", "tests/faults/test_storage_faults.py", "tests/test_rollouts.py",
-    "tests/faults/test_frozen_host.py", "tests/test_qwen3_5.py", "tests/test_deepseek_v3.py",
-    "tests/test_gpt_oss.py", "tests/test_chunked_loss.py", "tests/test_llama.py",
-    "tests/test_hf.py",
+    "tests/test_qwen3_next.py", "tests/test_rollouts.py", "tests/test_qwen3_5.py",
+    "tests/test_deepseek_v3.py", "tests/test_gpt_oss.py", "tests/test_chunked_loss.py",
+    "tests/test_llama.py", "tests/test_hf.py",
 )  # fmt: skip
 
 

@@ -77,6 +77,22 @@ def batch_of(ids) -> dict:
     }
 
 
+class LazyModule:
+    """Module `name`, imported on first use; where it is not installed, the test using it is
+    skipped with `reason`. The HF parity files use it for torch and transformers: every xdist
+    worker collects every file, and importing both cost ~4 s of each worker's collection."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self._name, self._reason, self._module = name, reason, None
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):  # what pytest's collection asks of every module global
+            raise AttributeError(attr)
+        if self._module is None:
+            self._module = pytest.importorskip(self._name, reason=self._reason)
+        return getattr(self._module, attr)
+
+
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a child process with `devices` CPU devices, keeping the suite's own flags
     (tests/conftest.py: the fast compile)."""

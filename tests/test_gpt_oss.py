@@ -17,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the HF parity tests need torch (CPU)")
-transformers = pytest.importorskip("transformers", reason="the HF parity tests need transformers")
+from runs import LazyModule  # noqa: E402
+
+torch = LazyModule("torch", "the HF parity tests need torch (CPU)")
+transformers = LazyModule("transformers", "the HF parity tests need transformers")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the HF parity tests need torch (CPU)")
-transformers = pytest.importorskip("transformers", reason="the HF parity tests need transformers")
+from runs import LazyModule  # noqa: E402
+
+torch = LazyModule("torch", "the HF parity tests need torch (CPU)")
+transformers = LazyModule("transformers", "the HF parity tests need transformers")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -73,17 +75,17 @@ CASES = {
     "mistral-window": ("mistral", dict(sliding_window=WINDOW, tie_word_embeddings=False), {}),
 }
 # fmt: on
-_HF = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-}
+def _hf(family: str) -> tuple:
+    """transformers' (config class, model class) of `family`."""
+    name = {"llama": "Llama", "mistral": "Mistral"}[family]
+    return getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
 
 
 def hf_model(tmp: Path, family: str = "llama", seed: int = 0, **over) -> Path:
     """A tiny random HF model saved to `tmp`; norm weights and the (zero-initialised) biases
     randomised, so the parity sees them."""
     torch.manual_seed(seed)
-    config_cls, model_cls = _HF[family]
+    config_cls, model_cls = _hf(family)
     model = model_cls(config_cls(**{**BASE, **over})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -96,7 +98,7 @@ def hf_model(tmp: Path, family: str = "llama", seed: int = 0, **over) -> Path:
 
 
 def hf_loaded(path: Path, family: str):
-    model = _HF[family][1].from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    model = _hf(family)[1].from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     return model.eval()
 
 
@@ -186,8 +188,8 @@ def test_config_json_round_trip_and_counts(built):
     is the model's and transformers' own. A released Llama 3.1 config.json (`rope_scaling` and
     a top-level `rope_theta`) reads as its rope_parameters form does."""
     for case, (family, hf_over, ours) in CASES.items():
-        config = _HF[family][0](**{**BASE, **hf_over})
-        hf_total = sum(p.numel() for p in _HF[family][1](config).parameters())
+        config = _hf(family)[0](**{**BASE, **hf_over})
+        hf_total = sum(p.numel() for p in _hf(family)[1](config).parameters())
         cfg = ModelConfig(**model_fields_from_hf(config.to_dict()), **ours)
         assert parameter_counts(cfg)["total"] == hf_total, case
         exported = hf_config_from_model(cfg.model_dump())
@@ -321,7 +323,7 @@ def test_bad_settings_are_one_sentence_naming_the_field(tmp_path, model, message
     ],
 )  # fmt: skip
 def test_unsupported_hf_settings_are_refused_in_one_sentence(tmp_path, family, change, message):
-    conf = {**_HF[family][0](**BASE).to_dict(), **change}
+    conf = {**_hf(family)[0](**BASE).to_dict(), **change}
     (tmp_path / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ConfigError) as e:
         model_config_from_hf(tmp_path)

@@ -20,17 +20,9 @@ from runtime.train.loss import clipped_pg_sums, cross_entropy_sums, token_logpro
 from runtime.train.state import new_state, state_shardings
 from runtime.train.step import make_train_step
 
-from runs import tiny_config, write_config
+from runs import LazyModule, tiny_config, write_config
 
-try:
-    import torch
-    import torch.nn.functional as F
-except ImportError:  # pragma: no cover - torch is a test-only reference
-    torch = None
-
-needs_torch = pytest.mark.skipif(
-    torch is None, reason="torch is not importable; it is only the reference implementation"
-)
+torch = LazyModule("torch", "torch is not importable; it is only the reference implementation")
 
 B, T, V = 4, 16, 32
 EPS = 0.2
@@ -89,7 +81,6 @@ def _jax_pg(x: dict[str, np.ndarray], eps: float):
     return float(s), float(c), float(k), np.asarray(g)
 
 
-@needs_torch
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_clipped_pg_matches_torch(seed):
     x = _inputs(seed)
@@ -140,7 +131,6 @@ def test_ratio_one_is_minus_mean_advantage():
     np.testing.assert_allclose(g, np.asarray(jax.grad(pg)(jnp.asarray(x["logits"]))), atol=1e-6)
 
 
-@needs_torch
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cross_entropy_matches_torch(seed):
     x = _inputs(seed)
@@ -148,7 +138,7 @@ def test_cross_entropy_matches_torch(seed):
         jnp.asarray(x["logits"]), jnp.asarray(x["targets"]), jnp.asarray(x["mask"])
     )
     ignored = np.where(x["mask"] > 0, x["targets"], -100)
-    ref = F.cross_entropy(
+    ref = torch.nn.functional.cross_entropy(
         torch.tensor(x["logits"]).reshape(-1, V),
         torch.tensor(ignored, dtype=torch.long).reshape(-1),
         ignore_index=-100,

@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the HF parity tests need torch (CPU)")
-transformers = pytest.importorskip("transformers", reason="the HF parity tests need transformers")
+from runs import LazyModule  # noqa: E402
+
+torch = LazyModule("torch", "the HF parity tests need torch (CPU)")
+transformers = LazyModule("transformers", "the HF parity tests need transformers")
 
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402

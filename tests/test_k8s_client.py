@@ -386,10 +386,9 @@ def test_status_of_a_jobset_of_another_submission_is_not_followed(api, backend, 
 # ---- `launch submit` of a fixed run_id, through the CLI ---------------------------------------
 
 
-@pytest.fixture
-def job_yaml(api, tmp_path, monkeypatch) -> Path:
-    """A job spec with run_id fixed to JS, its artifacts under tmp_path/runs; the kubeconfig
-    points at the fake API server and the registry is under tmp_path."""
+def point_kubeconfig_at(api: FakeApiServer, tmp_path: Path, monkeypatch) -> None:
+    """The kube context "fake" at the fake API server, as the current one; the registry under
+    tmp_path/state."""
     kubeconfig = {
         "apiVersion": "v1", "kind": "Config", "current-context": "fake",
         "clusters": [{"name": "c", "cluster": {"server": api.url}}],
@@ -400,6 +399,13 @@ def job_yaml(api, tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
+
+@pytest.fixture
+def job_yaml(api, tmp_path, monkeypatch) -> Path:
+    """A job spec with run_id fixed to JS, its artifacts under tmp_path/runs; the kubeconfig
+    points at the fake API server and the registry is under tmp_path."""
+    point_kubeconfig_at(api, tmp_path, monkeypatch)
     spec = yaml.safe_load((SPECS / "tpu-v5e-16.yaml").read_text())
     spec.update(run_id=JS, run=str(SPECS / "tpu-v5e-16.toml"), output_uri=str(tmp_path / "runs"))
     path = tmp_path / "job.yaml"

@@ -4,7 +4,6 @@ recorded times. Against test_k8s_client.py's FakeApiServer, which records every 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 
@@ -26,6 +25,7 @@ from test_k8s_client import (  # noqa: E402
     launch_main,
     pod,
     pod_list,
+    point_kubeconfig_at,
 )
 
 from launch.backends.k8s.backend import K8sBackend  # noqa: E402
@@ -106,16 +106,7 @@ def test_follow_without_pods_reads_the_run_folders_times(api, backend, tmp_path)
 def test_launch_logs_follow_timestamps_through_the_cli(api, tmp_path, monkeypatch, capsys):
     """The whole command: the registry's k8s run, the kubeconfig's cluster (the fake server),
     the quiet view over stamped lines (a warning both hosts said: once, at the earlier time)."""
-    kubeconfig = {
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "c", "cluster": {"server": api.url}}],
-        "users": [{"name": "u", "user": {"token": "t0ken"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "c", "user": "u"}}],
-    }  # fmt: skip
-    (tmp_path / "kubeconfig").write_text(json.dumps(kubeconfig))
-    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    point_kubeconfig_at(api, tmp_path, monkeypatch)
     registry = Registry(tmp_path / "state" / "jaxjob")
     registry.run_dir(JS).mkdir(parents=True)
     data = {"namespace": NS, "jobset": JS, "context": "fake", "output_uri": str(tmp_path),

@@ -22,6 +22,7 @@ from test_k8s_client import (  # noqa: E402
     launch_main,
     pod,
     pod_list,
+    point_kubeconfig_at,
 )
 
 SELECTOR = "app.kubernetes.io/managed-by=jaxjob"
@@ -52,16 +53,7 @@ def _js(name: str, created: str, status: dict | None = None) -> dict[str, Any]:
 def cluster(tmp_path, monkeypatch):
     """The fake API server as the current kube context; an empty registry under tmp_path."""
     with FakeApiServer() as api:
-        kubeconfig = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "c", "cluster": {"server": api.url}}],
-            "users": [{"name": "u", "user": {"token": "t0ken"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "c", "user": "u"}}],
-        }  # fmt: skip
-        (tmp_path / "kubeconfig").write_text(json.dumps(kubeconfig))
-        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
-        monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        point_kubeconfig_at(api, tmp_path, monkeypatch)
         running = _js("train-a1", "2026-12-07T10:00:00Z")
         done = _js("train-b2", "2026-12-07T09:00:00Z", {"conditions": [
             {"type": "Completed", "status": "True", "message": "jobset completed"}]})  # fmt: skip

@@ -45,14 +45,18 @@ def confirm(question: str, rows: list[RunRow], yes: bool) -> bool:
         return False
 
 
+def _ended(st: dict) -> bool:
+    return st.get("state") in TERMINAL or bool(st.get("ended"))
+
+
 def cancel_rows(rows: list[RunRow], options: dict, wait: bool, poll_s: float = 0.5) -> int:
     """Cancel each run (gracefully); with `wait`, return once every one has ended. The exit
     code: 0, or 1 when any could not be cancelled."""
     failed = 0
     sent = []
     for r in rows:
-        backend = get_backend(r.backend, r.record.backend_options if r.record else options)
         try:
+            backend = get_backend(r.backend, r.record.backend_options if r.record else options)
             backend.cancel(r.handle)
         except JaxjobError as e:
             failed += 1
@@ -62,9 +66,7 @@ def cancel_rows(rows: list[RunRow], options: dict, wait: bool, poll_s: float = 0
         click.echo(f"cancel sent to {r.run_id}: its hosts checkpoint and stop")
     if wait:
         for r, backend in sent:
-            while (st := backend.status(r.handle)).get("state") not in TERMINAL and not st.get(
-                "ended"
-            ):
+            while not _ended(st := backend.status(r.handle)):
                 time.sleep(poll_s)
             click.echo(f"{r.run_id} {st['state']}: {st.get('detail', '')}")
     return EXIT_FAILED if failed else 0
@@ -75,8 +77,8 @@ def clean_rows(registry: Registry, rows: list[RunRow], options: dict) -> int:
     JobSet and its ConfigMap). The exit code: 0, or 1 when any could not be removed."""
     failed = records = objects = 0
     for r in rows:
-        backend = get_backend(r.backend, r.record.backend_options if r.record else options)
         try:
+            backend = get_backend(r.backend, r.record.backend_options if r.record else options)
             if hasattr(backend, "forget") and (removed := backend.forget(r.handle)):
                 objects += 1
                 click.echo(f"deleted {removed} ({r.run_id})")

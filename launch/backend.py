@@ -17,6 +17,13 @@ from jobspec.job_spec import JobSpec
 # these, or pending/running/unknown).
 TERMINAL = ("succeeded", "failed", "cancelled")
 
+
+def has_ended(st: dict[str, Any]) -> bool:
+    """Whether a status will not change any more: a terminal state, or `unknown` that the
+    backend says is for good (`ended`: e.g. a JobSet gone without a record of how it ended)."""
+    return st.get("state") in TERMINAL or bool(st.get("ended"))
+
+
 T = TypeVar("T")
 
 
@@ -122,6 +129,9 @@ class Backend(Protocol):
 
     # Optional, for backends with a cluster to ask (k8s, slurm); `launch list/cancel/clean`
     # check with hasattr:
+    #   identity_keys: ClassVar[tuple[str, ...]]
+    #       the handle keys that name one submission on the cluster (a run both this machine's
+    #       registry and cluster_runs know is listed once);
     #   cluster_runs(self, all_namespaces: bool = False) -> list[ClusterRun]
     #       the runs jaxjob made there that the cluster still knows, newest first;
     #   forget(self, handle: Handle) -> str | None

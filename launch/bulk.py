@@ -15,19 +15,10 @@ import click
 
 from jobspec.errors import JaxjobError
 from jobspec.exit_codes import EXIT_FAILED
-from launch.backend import TERMINAL
+from launch.backend import has_ended
 from launch.backends import get_backend
-from launch.listing import RunRow
+from launch.listing import HEADER, RunRow, row_line
 from launch.registry import Registry
-
-
-def row_line(r: RunRow) -> str:
-    """One run as `launch list` prints it."""
-    when = r.submitted[:19].replace("T", " ") if r.submitted else "?"
-    return f"{r.run_id:<40} {r.backend:<6} {r.state:<10} {when:<19}  {r.where}"
-
-
-HEADER = f"{'RUN':<40} {'BACKEND':<6} {'STATE':<10} {'SUBMITTED (UTC)':<19}  WHERE"
 
 
 def confirm(question: str, rows: list[RunRow], yes: bool) -> bool:
@@ -43,10 +34,6 @@ def confirm(question: str, rows: list[RunRow], yes: bool) -> bool:
     except click.Abort:  # EOF: nobody to answer
         click.echo("", err=True)
         return False
-
-
-def _ended(st: dict) -> bool:
-    return st.get("state") in TERMINAL or bool(st.get("ended"))
 
 
 def cancel_rows(rows: list[RunRow], options: dict, wait: bool, poll_s: float = 0.5) -> int:
@@ -66,7 +53,7 @@ def cancel_rows(rows: list[RunRow], options: dict, wait: bool, poll_s: float = 0
         click.echo(f"cancel sent to {r.run_id}: its hosts checkpoint and stop")
     if wait:
         for r, backend in sent:
-            while not _ended(st := backend.status(r.handle)):
+            while not has_ended(st := backend.status(r.handle)):
                 time.sleep(poll_s)
             click.echo(f"{r.run_id} {st['state']}: {st.get('detail', '')}")
     return EXIT_FAILED if failed else 0

@@ -25,7 +25,7 @@ from jobspec.job_spec import JobSpec, check_mesh_fits
 from jobspec.run_config import is_remote
 from jobspec.version import version_option
 from launch import logs_options
-from launch.backend import TERMINAL, AlreadyRunningError, Backend, Submission
+from launch.backend import TERMINAL, AlreadyRunningError, Backend, Submission, has_ended
 from launch.backends import BACKENDS, backend_options, get_backend
 from launch.completion import add_completion_command
 from launch.overrides import describe as describe_overrides
@@ -157,12 +157,6 @@ def _status(rec: RunRecord, st: dict[str, Any] | None = None) -> dict[str, Any]:
     }
 
 
-def _ended(st: dict[str, Any]) -> bool:
-    """Whether a status will not change any more: a terminal state, or `unknown` that the
-    backend says is for good (`ended`: e.g. a JobSet gone without a record of how it ended)."""
-    return st.get("state") in TERMINAL or bool(st.get("ended"))
-
-
 def _wait(
     backend: Backend,
     rec: RunRecord,
@@ -190,7 +184,7 @@ def _wait(
                 click.echo(line)
             if note := view.hidden.note():
                 click.echo(note, err=True)
-    while not _ended(st := backend.status(handle)):
+    while not has_ended(st := backend.status(handle)):
         if st.get("never_starts"):  # waiting would never end
             raise JaxjobError(
                 f"run {rec.run_id} is queued but {st['hint']}; it stays queued "
@@ -484,7 +478,7 @@ def status_cmd(run: str, as_json: bool, watch: bool, interval: str | None) -> No
     def poll() -> tuple[list[str], bool]:
         last.update(_status(rec))
         st = last["backend_status"]
-        return _status_lines(last), _ended(st) or bool(st.get("never_starts"))
+        return _status_lines(last), has_ended(st) or bool(st.get("never_starts"))
 
     watch_lines(poll, interval=every)
     if last["backend_status"].get("never_starts"):  # watching would never end
@@ -682,7 +676,7 @@ def cancel_cmd(
     if not wait:
         click.echo(f"cancel sent to {rec.run_id}: its hosts checkpoint and stop")
         return
-    while not _ended(st := backend_impl.status(handle)):
+    while not has_ended(st := backend_impl.status(handle)):
         time.sleep(0.5)
     click.echo(f"{rec.run_id} {st['state']}: {st.get('detail', '')}")
 
@@ -729,8 +723,7 @@ def list_cmd(
     """Runs, newest first, with their state as each backend says: those submitted from this
     machine, and with --backend k8s|slurm also the cluster's own (WHERE says where they were
     found; `here` is this machine's record)."""
-    from launch.bulk import HEADER, row_line
-    from launch.listing import parse_states
+    from launch.listing import HEADER, parse_states, row_line
 
     wanted = parse_states(states)
     newer = parse_duration(since, "--since") if since is not None else None
@@ -793,7 +786,7 @@ def clean_cmd(
 
 @cli.command("plan")
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@JSON_OPTION
 @click.option(
     "--fit",
     is_flag=True,

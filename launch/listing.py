@@ -13,13 +13,13 @@ from __future__ import annotations
 import fnmatch
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from jobspec.errors import JaxjobError
-from launch.backend import TERMINAL, ClusterRun, Handle
-from launch.backends import BACKENDS, get_backend
+from launch.backend import TERMINAL, ClusterRun, Handle, has_ended
+from launch.backends import backend_class, get_backend
 from launch.registry import BrokenRecordError, Registry, RunRecord
 
 #: `--status` values: a state, or a group of them.
@@ -94,25 +94,36 @@ class RunRow:
 
     run_id: str
     backend: str
-    state: str
-    detail: str
     submitted: str
     handle: Handle
     record: RunRecord | None  # None: found on the cluster, not submitted from this machine
+    status: dict[str, Any]  # as the backend's status() says (at least state and detail)
     where: str = "here"  # "here" (this machine's registry), else where the cluster keeps it
-    status: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def state(self) -> str:
+        return str(self.status.get("state", "unknown"))
 
     @property
     def ended(self) -> bool:
-        return self.state in TERMINAL or bool(self.status.get("ended"))
+        return has_ended(self.status)
 
     def to_json(self) -> dict[str, Any]:
         out = {"run_id": self.run_id, "backend": self.backend, "state": self.state,
-               "detail": self.detail, "submitted": self.submitted,
+               "detail": self.status.get("detail", ""), "submitted": self.submitted,
                "submitted_here": self.record is not None, "where": self.where}  # fmt: skip
         if self.record is not None:
             out.update(run_uri=self.record.run_uri, job_path=self.record.job_path)
         return out
+
+
+HEADER = f"{'RUN':<40} {'BACKEND':<6} {'STATE':<10} {'SUBMITTED (UTC)':<19}  WHERE"
+
+
+def row_line(r: RunRow) -> str:
+    """One run as `launch list` prints it, under HEADER."""
+    when = r.submitted[:19].replace("T", " ") if r.submitted else "?"
+    return f"{r.run_id:<40} {r.backend:<6} {r.state:<10} {when:<19}  {r.where}"
 
 
 class _Statuses:
@@ -162,18 +173,8 @@ def collect(
     for rec in records:
         if not filt.keeps_record(rec.run_id, rec.backend, rec.submitted, now):
             continue
-        st = statuses.of(rec)
         rows.append(
-            RunRow(
-                rec.run_id,
-                rec.backend,
-                st.get("state", "unknown"),
-                st.get("detail", ""),
-                rec.submitted,
-                rec.to_handle(),
-                rec,
-                status=st,
-            )
+            RunRow(rec.run_id, rec.backend, rec.submitted, rec.to_handle(), rec, statuses.of(rec))
         )
     if filt.backend is not None and filt.backend != "local":
         rows += _cluster_rows(filt, records, options or {}, all_namespaces, now)
@@ -202,31 +203,15 @@ def _cluster_rows(
             continue
         if not filt.keeps_record(run.run_id, filt.backend, run.submitted, now):
             continue
+        status = {"state": run.state, "detail": run.detail}
         rows.append(
-            RunRow(
-                run.run_id,
-                filt.backend,
-                run.state,
-                run.detail,
-                run.submitted,
-                run.handle,
-                None,
-                where=run.where,
-                status={"state": run.state},
-            )
+            RunRow(run.run_id, filt.backend, run.submitted, run.handle, None, status, run.where)
         )
     return rows
 
 
-def _identity(backend: str, data: dict[str, Any]) -> tuple[str, ...]:
-    """What makes a handle one submission on its cluster (a JobSet's uid, a SLURM job id)."""
-    if backend == "k8s":
-        return ("k8s", str(data.get("namespace")), str(data.get("jobset")), str(data.get("uid")))
-    if backend == "slurm":
-        return ("slurm", str(data.get("job_id")))
-    return (backend, str(sorted(data.items())))
-
-
-def check_backend(name: str | None) -> None:
-    if name is not None and name not in BACKENDS:
-        raise JaxjobError(f"--backend {name!r}: use one of {', '.join(BACKENDS)}")
+def _identity(backend: str, data: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes a handle one submission on its cluster (the backend's `identity_keys`: a
+    JobSet's namespace, name and uid; a SLURM job id)."""
+    keys = getattr(backend_class(backend), "identity_keys", None) or tuple(sorted(data))
+    return (backend, *(data.get(k) for k in keys))

@@ -382,10 +382,19 @@ def test_cluster_runs_are_the_users_jobs_with_jaxjobs_comment(monkeypatch, tmp_p
         seen.append(handle.data)
         return {"state": "running", "detail": "as scontrol says"}
 
-    runs = queue.cluster_runs(status_of)
+    # squeue prints the controller's local time: Berlin's 12:00 in December is 11:00 UTC.
+    import time
+
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    time.tzset()
+    try:
+        runs = queue.cluster_runs(status_of)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
     assert asked[0][0] == "squeue" and "--noheader" in asked[0]
     assert [(r.run_id, r.submitted, r.where) for r in runs] == [
-        ("run-y", "2026-12-07T12:00:00Z", "slurm job 14"),
-        ("run-x", "2026-12-07T10:00:00Z", "slurm job 12"),
+        ("run-y", "2026-12-07T11:00:00Z", "slurm job 14"),
+        ("run-x", "2026-12-07T09:00:00Z", "slurm job 12"),
     ]
     assert {d["job_id"]: d["workdir"] for d in seen} == {"12": str(odd), "14": f"{tmp_path}/run-y"}

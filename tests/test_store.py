@@ -236,11 +236,11 @@ def test_gs_host_log_is_uploaded_in_parts_and_read_in_order(gcs_bucket, monkeypa
     tee = hostlog.HostLogTee(hostlog.log_uri(f"{root}/run1", 0, 1))  # not started: no fd games
     lines = [f"step {i} | loss {1.0 / (i + 1):.4f}\n".encode() for i in range(40)]
     for k in range(0, 40, 3):
-        with tee._lock:
-            tee._buf.extend(b"".join(lines[k : k + 3]))
+        tee._buffer_remote(b"".join(lines[k : k + 3]))
         tee._flush_remote()
     parts = list_parts(tee.fs, tee.path)
-    assert len(parts) > 5 and len(tee._buf) < 100 + 80  # memory holds the current part only
+    held = len(tee._log_upload.buf)
+    assert len(parts) > 5 and held < 100 + 80  # memory holds the current part only
     got = list(saved_logs(root, "run1", host=None, tail=None))
     assert got == [f"[host 1] {ln.decode().rstrip()}" for ln in lines]
 

@@ -374,15 +374,6 @@ class HostLogTee:
         self._flusher: threading.Thread | None = None
         self._closed = False
 
-    # The log's upload buffer and its lock, by their older names.
-    @property
-    def _buf(self) -> bytearray:
-        return self._log_upload.buf
-
-    @property
-    def _lock(self) -> threading.Lock:
-        return self._log_upload.lock
-
     def start(self) -> HostLogTee:
         if self.remote:
             self.fs.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)

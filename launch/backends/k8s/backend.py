@@ -42,6 +42,8 @@ class K8sBackend:
     name = "k8s"
     writes_run_files = False  # the config goes to a ConfigMap; `launch submit` keeps the copy
     handle_keys = ("namespace", "jobset")
+    # One submission on the cluster (launch list: a run this machine recorded is seen once).
+    identity_keys = ("namespace", "jobset", "uid")
     cli_options = ("context", "namespace")  # the kube context; a namespace over k8s.namespace
 
     def __init__(

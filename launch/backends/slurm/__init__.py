@@ -37,6 +37,7 @@ class SlurmBackend:
     # submit writes cfg.toml and job.yaml into the run directory (by default the registry's)
     writes_run_files = True
     handle_keys = ("job_id", "workdir")
+    identity_keys = ("job_id",)  # one submission on the cluster (launch list: seen once)
     cli_options = ()
 
     def __init__(

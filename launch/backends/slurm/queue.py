@@ -9,6 +9,7 @@ here: accounting (`sacct`) is often off, so it is not asked.
 from __future__ import annotations
 
 import getpass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ def cluster_runs(status_of: Any) -> list[ClusterRun]:
         data: dict[str, Any] = {"job_id": job_id, "workdir": str(script.parent), "run_id": run_id}
         data.update(_from_job_yaml(script.parent))
         st = status_of(Handle("slurm", data))
-        stamp = f"{submitted}Z" if submitted and submitted[0].isdigit() else ""
+        stamp = _utc(submitted)
         runs.append(
             ClusterRun(
                 run_id,
@@ -49,6 +50,16 @@ def cluster_runs(status_of: Any) -> list[ClusterRun]:
         )
     runs.sort(key=lambda r: (r.submitted, r.run_id), reverse=True)
     return runs
+
+
+def _utc(local: str) -> str:
+    """squeue's submit time (this host's local time, no zone) in UTC, as the registry keeps
+    times; "" when it is not a time (e.g. N/A)."""
+    try:
+        at = datetime.fromisoformat(local)
+    except ValueError:
+        return ""
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")  # a naive time is read as local
 
 
 def _from_job_yaml(rundir: Path) -> dict[str, Any]:
